@@ -1,0 +1,1 @@
+"""Hardware and OS backends of cxlrt, installed as ``cxlrt.backends``."""

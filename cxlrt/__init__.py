@@ -1,0 +1,21 @@
+"""cxlrt: a memory runtime for rack-scale LLM KV caches on CXL shared memory.
+
+Open a region with :func:`cxlrt.open`; see README.md for the memory model.
+"""
+
+from cxlrt.api import format, inspect, open
+from cxlrt.caps import Caps
+from cxlrt.errors import (ChecksumError, CoherenceError, CxlrtError, LayoutVersionError,
+                          NodeRangeError, NotARegionError, OutOfRangeError, RegionClosedError,
+                          RegionError, RegionSizeError, UnsupportedError)
+from cxlrt.region import Region
+from cxlrt.spec import parse_size, parse_spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "LayoutVersionError",
+    "NodeRangeError", "NotARegionError", "OutOfRangeError", "Region", "RegionClosedError",
+    "RegionError", "RegionSizeError", "UnsupportedError", "format", "inspect", "open",
+    "parse_size", "parse_spec",
+]

@@ -1,0 +1,182 @@
+"""Opening, formatting and inspecting regions by spec."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+from typing import Any
+
+from cxlrt import registry, superblock as _sb
+from cxlrt.errors import NotARegionError, RegionError, RegionSizeError
+from cxlrt.region import Region
+from cxlrt.spec import Spec, coerce_params, parse_size, parse_spec
+
+CREATE_WAIT_S = 10.0
+"""How long an attach waits for a concurrent formatter to publish the magic."""
+
+
+def _resolve(spec: str) -> tuple[Spec, type, dict[str, Any]]:
+    if isinstance(spec, str) and spec.startswith(("/", "./", "../")):
+        spec = f"{registry.default_scheme()}:{spec}"
+    s = parse_spec(spec)
+    cls, schema = registry.get(s.scheme)
+    return s, cls, coerce_params(s.scheme, schema, s.params)
+
+
+def _check_node(node: Any) -> int:
+    if isinstance(node, bool) or not isinstance(node, int):
+        raise TypeError(f"node must be an int, not {type(node).__name__}")
+    if node < 0:
+        raise ValueError(f"node must be >= 0, got {node}")
+    return node
+
+
+def _medium_size(path: str, spec: str) -> int:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{spec}: no region at {path!r}; create it with `cxlrt format {spec} --size 64M "
+            "--nodes 4` or cxlrt.open(..., create=True, size=..., nodes=...)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RegionError(f"{spec}: {path!r} is not a regular file")
+    if st.st_size < _sb.PAGE:
+        raise RegionSizeError(f"{spec}: {path!r} is only {st.st_size} bytes, too small to be "
+                              "a region (truncated, or not a region file)")
+    return st.st_size
+
+
+def _check_geometry(size: Any, nodes: Any) -> tuple[int, int]:
+    if size is None or nodes is None:
+        raise ValueError("creating a region needs both size= (bytes, or a string like '64M') "
+                         "and nodes=")
+    size = parse_size(size)
+    if isinstance(nodes, bool) or not isinstance(nodes, int):
+        raise TypeError(f"nodes must be an int, not {type(nodes).__name__}")
+    if size % _sb.PAGE:
+        raise RegionSizeError(f"region size {size} is not a multiple of {_sb.PAGE} bytes")
+    _sb.layout(size, nodes)  # raises on too small / bad node count
+    return size, nodes
+
+
+def _create_file(path: str, size: int, *, exclusive: bool) -> bool:
+    """Create the medium with mode 0600; False if it exists and `exclusive`."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return True
+
+
+def open(spec: str, *, node: int, create: bool = False, size: int | str | None = None,
+         nodes: int | None = None, wait: float | None = None) -> Region:
+    """Attach to a region as `node`, formatting it first when asked to create it.
+
+    Parameters
+    ----------
+    spec : str
+        ``scheme:path[?key=value&...]``, e.g. ``file:/dev/shm/rack0`` or
+        ``emu:/dev/shm/rack0?seed=7&evict=0.01&check=1``. A bare absolute path
+        uses ``CXLRT_BACKEND`` (default ``file``).
+    node : int
+        This process's node id, ``0 <= node < nodes``.
+    create : bool
+        Create and format the region if it does not exist. If it exists, attach
+        (racing creators are safe: one formats, the others wait for it).
+    size : int or str, optional
+        Region bytes when creating (``"64M"`` works); checked against the region
+        when attaching.
+    nodes : int, optional
+        Node count when creating; checked when attaching.
+    wait : float, optional
+        Seconds to wait for a concurrent formatter (default 10 s with
+        ``create=True``, else 0).
+
+    Raises
+    ------
+    ValueError
+        Unknown scheme, bad parameter, bad node.
+    FileNotFoundError
+        No region at the path and ``create`` is false.
+    cxlrt.RegionError
+        A corrupt, truncated or mismatched region (see its subclasses).
+    """
+    s, cls, params = _resolve(spec)
+    node = _check_node(node)
+    created = False
+    if create:
+        size, nodes = _check_geometry(size, nodes)
+        created = _create_file(s.path, size, exclusive=True)
+    elif size is not None:
+        size = parse_size(size)
+    medium = _medium_size(s.path, str(s))
+    backend = cls(s.path, params, node, medium)
+    region = Region(backend, str(s))
+    try:
+        if created:
+            region._format(nodes, _sb.new_uuid())
+        else:
+            region._attach(size, nodes, CREATE_WAIT_S if (create and wait is None) else (wait or 0.0))
+    except BaseException:
+        backend.close()
+        if created:
+            os.unlink(s.path)  # ours, never published: nothing is lost
+        raise
+    return region
+
+
+def format(spec: str, *, size: int | str, nodes: int, force: bool = False) -> dict[str, Any]:
+    """Create (or with ``force``, overwrite) and format a region; return :func:`inspect`."""
+    s, cls, params = _resolve(spec)
+    size, nodes = _check_geometry(size, nodes)
+    if not _create_file(s.path, size, exclusive=True):
+        if not force:
+            raise FileExistsError(f"{s.path!r} already exists; pass --force (force=True) to "
+                                  "reformat it, which destroys its contents")
+        _create_file(s.path, size, exclusive=False)
+    backend = cls(s.path, params, 0, size)
+    region = Region(backend, str(s))
+    try:
+        region._format(nodes, _sb.new_uuid())
+    finally:
+        region.close()
+    return inspect(str(s))
+
+
+_NODE = struct.Struct("<QQQQ")
+
+
+def inspect(spec: str) -> dict[str, Any]:
+    """Read a region's superblock and node areas by DMA, without attaching as a node."""
+    s, cls, params = _resolve(spec)
+    medium = _medium_size(s.path, str(s))
+    backend = cls(s.path, params, 0, medium)
+    region = Region(backend, str(s))
+    try:
+        info = region._read_superblock()
+        base = info["sections"]["nodes"][0]
+        now = time.time_ns()
+        info["node_areas"] = []
+        for n in range(info["nodes"]):
+            pid, hb, attaches, host = _NODE.unpack(region.dma_read(base + n * _sb.NODE_AREA, 32))
+            info["node_areas"].append({
+                "node": n, "pid": pid, "attaches": attaches, "host_id": f"{host:016x}",
+                "heartbeat_age_s": None if hb == 0 else round((now - hb) / 1e9, 3)})
+    finally:
+        region.close()
+    info["spec"] = str(s)
+    info["scheme"] = s.scheme
+    info["path"] = s.path
+    info["params"] = params
+    info["uuid"] = f"{info['uuid']:016x}"
+    return info
+
+
+__all__ = ["open", "format", "inspect", "NotARegionError"]

@@ -1,0 +1,197 @@
+# cxlrt backend contract: what every algorithm may call, without the GIL.
+#
+# Invariants (stated once, relied on everywhere):
+#  - Offsets are bytes from the region base, 64-bit; 0 is null. Every call
+#    range-checks its offset; an out-of-range offset returns CXLRT_E_RANGE and
+#    touches nothing.
+#  - Status: 0 = success, negative = CXLRT_E_*. No call raises or takes the GIL.
+#  - load/store go through THIS node's view; on a non-coherent backend a load may
+#    return a stale copy until cxl_flush() of those lines (observe = flush, load),
+#    and a store reaches other nodes only after cxl_flush() + cxl_fence()
+#    (publish = store, flush, fence). Caches write back whole 64-byte lines.
+#  - dma_read/dma_write bypass every node's view (device DMA semantics); a
+#    dma_write is complete and visible to all nodes when it returns.
+#  - No cross-node read-modify-write exists here, by design (DESIGN.md rule 2).
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_load64_volatile,
+                                    cxl_store64_volatile, likely, unlikely)
+from libc.string cimport memcpy
+
+
+cdef enum:
+    CXLRT_E_RANGE = -1001      # offset/length outside the region or misaligned
+    CXLRT_E_COHERENCE = -1002  # emulation checker saw a protocol violation
+    CXLRT_E_CLOSED = -1003     # region already closed
+    CXLRT_E_IO = -1004         # the medium failed (RDMA completion error, ...)
+    CXLRT_E_UNSUPPORTED = -1005  # operation this backend cannot do
+
+
+cdef enum:
+    CXL_CAP_COHERENT = 1        # every node sees every store at once: flush is a no-op
+    CXL_CAP_MAPPABLE = 2        # base != NULL: views and DMA windows over the medium
+    CXL_CAP_PERSISTENT = 4      # contents survive power loss (fsdax, pmem)
+    CXL_CAP_DMA_REGISTRABLE = 8  # can be registered for device (CUDA/RDMA) DMA
+    CXL_CAP_SHARED_HOSTS = 16   # the medium is reachable from several hosts
+
+
+cdef enum:
+    CXL_F_DIRECT = 1     # loads/stores are plain volatile accesses at base+off
+    CXL_F_NOFLUSH = 2    # flush is a no-op (coherent medium)
+
+
+ctypedef int (*cxl_load_fn)(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
+ctypedef int (*cxl_store_fn)(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil
+ctypedef int (*cxl_load64_fn)(void* ctx, uint64_t off, uint64_t* out) noexcept nogil
+ctypedef int (*cxl_store64_fn)(void* ctx, uint64_t off, uint64_t v) noexcept nogil
+ctypedef int (*cxl_flush_fn)(void* ctx, uint64_t off, uint64_t n) noexcept nogil
+ctypedef int (*cxl_fence_fn)(void* ctx) noexcept nogil
+ctypedef int (*cxl_dma_read_fn)(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
+ctypedef int (*cxl_dma_write_fn)(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil
+
+
+ctypedef struct cxl_ops:
+    cxl_load_fn load            # pre: off+n <= size; copies through this node's view
+    cxl_store_fn store          # pre: off+n <= size; dirties lines in this node's view
+    cxl_load64_fn load64        # pre: off % 8 == 0; one untorn 8-byte load
+    cxl_store64_fn store64      # pre: off % 8 == 0; one untorn 8-byte store
+    cxl_flush_fn flush          # pre: range checked; write back + drop, complete on return
+    cxl_flush_fn flush_nodrain  # pre: range checked; write back + drop, complete at next fence
+    cxl_fence_fn fence          # pre: none; orders all earlier accesses and drains flushes
+    cxl_dma_read_fn dma_read    # pre: range checked; reads the medium, bypassing views
+    cxl_dma_write_fn dma_write  # pre: range checked; writes the medium, bypassing views
+
+
+ctypedef struct cxl_region:
+    char* base        # medium mapping when CXL_CAP_MAPPABLE, else NULL
+    uint64_t size     # bytes addressable by offsets
+    uint32_t caps     # CXL_CAP_* bits
+    uint32_t flags    # CXL_F_* fast-path bits, chosen at open()
+    uint32_t node     # this view's node id
+    uint32_t closed   # set by close(); calls then return CXLRT_E_CLOSED
+    const cxl_ops* ops  # backend slots; never NULL once open
+    void* ctx         # backend private state, passed to every slot
+
+
+cdef class Backend:
+    cdef cxl_region reg         # the C view handed to algorithms
+    cdef readonly str scheme    # registry name ("file", "emu", ...)
+    cdef readonly str path      # medium path as given in the spec
+    cdef readonly dict params   # validated spec parameters
+    cdef object __weakref__
+
+    cdef cxl_region* region(self) except NULL
+    cpdef close(self)
+
+
+# --- fast paths ---------------------------------------------------------------
+# Budget: one compare and one volatile access on a direct region; one indirect
+# call otherwise. Range checks stay on in release builds: offsets come from
+# shared memory that another host may have corrupted (DESIGN.md rule 5).
+
+cdef inline int cxl_check_range(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Return 0 if [off, off+n) lies inside the region, else CXLRT_E_RANGE."""
+    if unlikely(r.closed):
+        return CXLRT_E_CLOSED
+    if unlikely(n > r.size or off > r.size - n):
+        return CXLRT_E_RANGE
+    return 0
+
+
+cdef inline int cxl_load64(const cxl_region* r, uint64_t off, uint64_t* out) noexcept nogil:
+    """Load one aligned 8-byte word through this node's view."""
+    if unlikely(r.closed or (off & 7) or off > r.size - 8):
+        return CXLRT_E_CLOSED if r.closed else CXLRT_E_RANGE
+    if likely(r.flags & CXL_F_DIRECT):
+        out[0] = cxl_load64_volatile(r.base + off)
+        return 0
+    return r.ops.load64(r.ctx, off, out)
+
+
+cdef inline int cxl_store64(const cxl_region* r, uint64_t off, uint64_t v) noexcept nogil:
+    """Store one aligned 8-byte word into this node's view (not yet published)."""
+    if unlikely(r.closed or (off & 7) or off > r.size - 8):
+        return CXLRT_E_CLOSED if r.closed else CXLRT_E_RANGE
+    if likely(r.flags & CXL_F_DIRECT):
+        cxl_store64_volatile(r.base + off, v)
+        return 0
+    return r.ops.store64(r.ctx, off, v)
+
+
+cdef inline int cxl_load(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Copy n bytes out of this node's view."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    if likely(r.flags & CXL_F_DIRECT):
+        memcpy(dst, r.base + off, n)
+        return 0
+    return r.ops.load(r.ctx, off, dst, n)
+
+
+cdef inline int cxl_store(const cxl_region* r, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    """Copy n bytes into this node's view (not yet published)."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    if likely(r.flags & CXL_F_DIRECT):
+        memcpy(r.base + off, src, n)
+        return 0
+    return r.ops.store(r.ctx, off, src, n)
+
+
+cdef inline int cxl_flush(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Write back and drop the lines of [off, off+n); complete on return."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    if r.flags & CXL_F_NOFLUSH:
+        return 0
+    return r.ops.flush(r.ctx, off, n)
+
+
+cdef inline int cxl_flush_nodrain(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Start writing back [off, off+n); only the next cxl_fence() completes it."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    if r.flags & CXL_F_NOFLUSH:
+        return 0
+    return r.ops.flush_nodrain(r.ctx, off, n)
+
+
+cdef inline int cxl_fence(const cxl_region* r) noexcept nogil:
+    """Full fence: earlier loads, stores and flushes complete before later ones."""
+    if unlikely(r.closed):
+        return CXLRT_E_CLOSED
+    if r.flags & CXL_F_DIRECT:
+        # On a direct mapping the hardware fence is the whole job; it pairs with
+        # the flushes issued before it (cxl_flush_nodrain) and with the reader's
+        # observe (flush, load) on the other node.
+        cxl_fence_full()
+        return 0
+    return r.ops.fence(r.ctx)
+
+
+cdef inline int cxl_persist(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Publish: flush [off, off+n) then fence (PMDK persist = flush + drain)."""
+    cdef int rc = cxl_flush(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    return cxl_fence(r)
+
+
+cdef inline int cxl_dma_read(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Bulk read of the medium, bypassing every node's view."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    return r.ops.dma_read(r.ctx, off, dst, n)
+
+
+cdef inline int cxl_dma_write(const cxl_region* r, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    """Bulk write of the medium, bypassing every node's view; visible on return."""
+    cdef int rc = cxl_check_range(r, off, n)
+    if unlikely(rc != 0):
+        return rc
+    return r.ops.dma_write(r.ctx, off, src, n)

@@ -1,0 +1,51 @@
+# cython: language_level=3
+"""Base class of every backend; the C contract is in backend.pxd."""
+
+from cxlrt.errors import RegionClosedError
+
+
+cdef class Backend:
+    """A medium plus this node's view of it, exposed to algorithms as a ``cxl_region``.
+
+    Subclasses fill ``self.reg`` in their constructor and release their
+    resources in ``close()``, which must be idempotent.
+    """
+
+    cdef cxl_region* region(self) except NULL:
+        """The C view for algorithms; raises once closed."""
+        if self.reg.closed or self.reg.ops == NULL:
+            raise RegionClosedError(f"{self.scheme}:{self.path} is closed")
+        return &self.reg
+
+    cpdef close(self):
+        """Stop every later call through the region (idempotent)."""
+        self.reg.closed = 1
+
+    @property
+    def caps(self):
+        """``CXL_CAP_*`` bits of this backend (see :mod:`cxlrt.caps`)."""
+        return self.reg.caps
+
+    @property
+    def node(self):
+        return self.reg.node
+
+    @property
+    def size(self):
+        return self.reg.size
+
+    def stats(self):
+        """Backend counters (dict); empty for backends that keep none."""
+        return {}
+
+    def last_violation(self):
+        """Details of the last checker violation, or None (emulation only)."""
+        return None
+
+    def view(self, unsigned long long off, unsigned long long n):
+        """A memoryview over the medium (DMA window); mappable backends override."""
+        from cxlrt.errors import UnsupportedError
+        raise UnsupportedError(f"{self.scheme}: backend has no mappable memory")
+
+    def __dealloc__(self):
+        self.reg.closed = 1

@@ -1,0 +1,140 @@
+/*
+ * cxl_intrin.h - the only place that knows the CPU: cache-line flushes, fences,
+ * volatile 8-byte accesses, spin hints and host-local atomics.
+ *
+ * Invariants:
+ *  - cxl_clflush(p) returns only after the line holding p is written back and
+ *    invalidated (x86 clflush, aarch64 DC CIVAC + DSB); it is the "publish" and
+ *    the "observe" primitive of the memory model (DESIGN.md rule 4).
+ *  - cxl_clflushopt(p) may complete late; only a following cxl_fence_drain()
+ *    guarantees its write-back (clflushopt/clwb + sfence).
+ *  - cxl_fence_full() orders every earlier load and store before every later one.
+ *  - The cxl_atomic_* helpers act on memory shared by processes of ONE host
+ *    (emulator bookkeeping, node-local locks). They are never used on region
+ *    memory that another host reads: the memory model has no cross-node atomics.
+ */
+#ifndef CXL_INTRIN_H
+#define CXL_INTRIN_H
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#define CXL_LINE 64
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CXL_ARCH_NAME "x86_64"
+
+/* clflush is synchronous with respect to later fenced stores; the mfence after
+ * the loop in callers pairs with it (see cxl_flush_range). */
+static inline void cxl_clflush(const void *p) { _mm_clflush(p); }
+
+#if defined(__CLFLUSHOPT__)
+static inline void cxl_clflushopt(const void *p) { _mm_clflushopt((void *)p); }
+#else
+/* Without -mclflushopt we fall back to the stronger clflush: correct, slower. */
+static inline void cxl_clflushopt(const void *p) { _mm_clflush(p); }
+#endif
+
+static inline void cxl_fence_full(void) { _mm_mfence(); }
+static inline void cxl_fence_drain(void) { _mm_sfence(); }
+static inline void cxl_cpu_relax(void) { _mm_pause(); }
+
+#elif defined(__aarch64__)
+#define CXL_ARCH_NAME "aarch64"
+
+/* DC CIVAC cleans and invalidates to the point of coherence; the DSB makes the
+ * maintenance complete before we return, matching x86 clflush. */
+static inline void cxl_clflush(const void *p)
+{
+    __asm__ volatile("dc civac, %0" ::"r"(p) : "memory");
+    __asm__ volatile("dsb ish" ::: "memory");
+}
+/* The deferred flavour leaves completion to the next drain (DSB). */
+static inline void cxl_clflushopt(const void *p)
+{
+    __asm__ volatile("dc civac, %0" ::"r"(p) : "memory");
+}
+static inline void cxl_fence_full(void) { __asm__ volatile("dmb ish" ::: "memory"); }
+static inline void cxl_fence_drain(void) { __asm__ volatile("dsb ish" ::: "memory"); }
+static inline void cxl_cpu_relax(void) { __asm__ volatile("yield" ::: "memory"); }
+
+#else
+#define CXL_ARCH_NAME "generic"
+/* No cache maintenance instructions known: only correct for coherent memory,
+ * which is all the emulation needs (its caches are software). */
+static inline void cxl_clflush(const void *p) { (void)p; __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void cxl_clflushopt(const void *p) { (void)p; }
+static inline void cxl_fence_full(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void cxl_fence_drain(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void cxl_cpu_relax(void) { }
+#endif
+
+/* Aligned 8-byte accesses are single instructions on both architectures, so
+ * they are never torn (DESIGN.md rule 3); volatile stops the compiler from
+ * caching or merging them. */
+static inline uint64_t cxl_load64_volatile(const void *p) { return *(const volatile uint64_t *)p; }
+static inline void cxl_store64_volatile(void *p, uint64_t v) { *(volatile uint64_t *)p = v; }
+
+/* Write back and drop every line of [p, p+n); the trailing full fence orders
+ * the flushes before the caller's next access (publish/observe). */
+static inline void cxl_flush_range(const void *p, uint64_t n)
+{
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(CXL_LINE - 1);
+    uintptr_t end = (uintptr_t)p + n;
+    for (; a < end; a += CXL_LINE)
+        cxl_clflush((const void *)a);
+    cxl_fence_full();
+}
+
+/* Same, but completion is only guaranteed by the caller's later drain. */
+static inline void cxl_flushopt_range(const void *p, uint64_t n)
+{
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(CXL_LINE - 1);
+    uintptr_t end = (uintptr_t)p + n;
+    for (; a < end; a += CXL_LINE)
+        cxl_clflushopt((const void *)a);
+}
+
+/* Host-local atomics, named by memory order (mimalloc style). */
+static inline uint32_t cxl_atomic_load_acquire32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void cxl_atomic_store_release32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline int cxl_atomic_cas_acq32(uint32_t *p, uint32_t expect, uint32_t desired)
+{
+    return __atomic_compare_exchange_n(p, &expect, desired, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+}
+static inline uint64_t cxl_atomic_load_relaxed64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static inline void cxl_atomic_store_relaxed64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+static inline uint64_t cxl_atomic_add_relaxed64(uint64_t *p, uint64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_RELAXED); }
+
+/* Kernel thread id, cached per thread: unique across the host, so it names the
+ * holder of a host-local lock and lets a waiter test whether it died. */
+static inline uint32_t cxl_thread_id(void)
+{
+    static __thread uint32_t tid;
+    if (!tid)
+        tid = (uint32_t)syscall(SYS_gettid);
+    return tid;
+}
+
+static inline uint64_t cxl_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Busy-wait: device latencies are hundreds of ns, far below any sleep. */
+static inline void cxl_spin_ns(uint64_t ns)
+{
+    if (!ns)
+        return;
+    uint64_t end = cxl_now_ns() + ns;
+    while (cxl_now_ns() < end)
+        cxl_cpu_relax();
+}
+
+#endif /* CXL_INTRIN_H */

@@ -1,0 +1,38 @@
+# Externs for cxl_intrin.h and debug.h; semantics are documented in the header.
+from libc.stdint cimport uint32_t, uint64_t
+
+
+cdef extern from "cxl_intrin.h" nogil:
+    const char* CXL_ARCH_NAME
+    int CXL_LINE
+    void cxl_clflush(const void* p)
+    void cxl_clflushopt(const void* p)
+    void cxl_fence_full()
+    void cxl_fence_drain()
+    void cxl_cpu_relax()
+    uint64_t cxl_load64_volatile(const void* p)
+    void cxl_store64_volatile(void* p, uint64_t v)
+    void cxl_flush_range(const void* p, uint64_t n)
+    void cxl_flushopt_range(const void* p, uint64_t n)
+    uint32_t cxl_atomic_load_acquire32(const uint32_t* p)
+    void cxl_atomic_store_release32(uint32_t* p, uint32_t v)
+    int cxl_atomic_cas_acq32(uint32_t* p, uint32_t expect, uint32_t desired)
+    uint64_t cxl_atomic_load_relaxed64(const uint64_t* p)
+    void cxl_atomic_store_relaxed64(uint64_t* p, uint64_t v)
+    uint64_t cxl_atomic_add_relaxed64(uint64_t* p, uint64_t v)
+    uint32_t cxl_thread_id()
+    uint64_t cxl_now_ns()
+    void cxl_spin_ns(uint64_t ns)
+
+
+cdef extern from "debug.h":
+    int CXLRT_DEBUG
+
+
+cdef extern from *:
+    """
+    #define cxl_likely(x) __builtin_expect(!!(x), 1)
+    #define cxl_unlikely(x) __builtin_expect(!!(x), 0)
+    """
+    bint likely "cxl_likely"(bint x) nogil
+    bint unlikely "cxl_unlikely"(bint x) nogil

@@ -1,0 +1,17 @@
+from libc.stdint cimport uint64_t
+
+from cxlrt.backend cimport Backend, cxl_region
+
+
+cdef class Region:
+    cdef readonly Backend backend  # the medium and this node's view of it
+    cdef cxl_region* r             # backend.reg, valid until close()
+    cdef readonly int nodes        # node count from the superblock
+    cdef readonly uint64_t uuid    # format id from the superblock
+    cdef readonly str spec         # the spec this region was opened with
+    cdef readonly dict sections    # name -> (offset, size)
+    cdef int _busy                 # bulk copies in flight without the GIL
+
+    cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
+
+    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n) except -1

@@ -1,0 +1,300 @@
+# cython: language_level=3
+"""``Region``: one node's handle on a shared region, over any backend.
+
+Python wrappers validate, release the GIL for bulk work, and map every status
+through ``_rc``; the same operations are available to Cython algorithms as the
+``cxl_*`` inline functions of backend.pxd.
+"""
+
+import os
+import time
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport uint64_t
+
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXLRT_E_CLOSED,
+                            CXLRT_E_COHERENCE, CXLRT_E_RANGE, CXLRT_E_UNSUPPORTED, Backend,
+                            cxl_check_range, cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
+                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_persist, cxl_store,
+                            cxl_store64)
+
+from cxlrt import superblock as _sb
+from cxlrt.caps import Caps
+from cxlrt.errors import (CoherenceError, NotARegionError, OutOfRangeError, RegionClosedError,
+                          RegionError, RegionSizeError, UnsupportedError)
+
+# Below this many bytes a copy costs less than releasing and retaking the GIL.
+DEF_NOGIL_BYTES = 4096
+
+
+cdef class Region:
+    """One node's view of a shared region. Create with :func:`cxlrt.open`.
+
+    Attributes
+    ----------
+    size : int
+        Region bytes.
+    nodes : int
+        Nodes that may attach (ids ``0 .. nodes-1``).
+    node : int
+        This view's node id.
+    backend : Backend
+        The backend object (scheme, path, params, stats).
+    sections : dict
+        ``{name: (offset, size)}`` of the region's sections (``nodes``, ``heap``).
+    """
+
+    def __init__(self, Backend backend, str spec):
+        self.backend = backend
+        self.r = backend.region()
+        self.spec = spec
+        self.sections = {}
+        self._busy = 0
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def _format(self, int nodes, unsigned long long uuid):
+        """Write a fresh superblock; the magic goes last (see layout.pxd)."""
+        _sb.check_node(self.r.node, nodes, self.spec)
+        sec = _sb.layout(self.r.size, nodes)
+        # Zero the superblock page and node areas first: stale heartbeats from an
+        # earlier format must not survive into this one.
+        self.dma_write(0, bytes(sec["heap"][0]))
+        body = _sb.pack(self.r.size, nodes, uuid, with_magic=False)
+        self.dma_write(8, body[8:])
+        self.backend.bind(nodes, uuid, True)
+        # dma_write fences, so the body is in the medium before the magic is.
+        self.dma_write(0, _sb.pack(self.r.size, nodes, uuid)[:8])
+        self._adopt(self._read_superblock())
+
+    def _attach(self, size=None, nodes=None, double wait=0.0):
+        """Validate the superblock (waiting up to `wait` s for a formatter) and bind."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                info = self._read_superblock()
+                break
+            except NotARegionError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+        if size is not None and size != info["size"]:
+            raise RegionSizeError(f"{self.spec}: asked for {size} bytes but the region "
+                                  f"holds {info['size']}")
+        if nodes is not None and nodes != info["nodes"]:
+            raise RegionError(f"{self.spec}: asked for {nodes} nodes but the region was "
+                              f"formatted for {info['nodes']}")
+        _sb.check_node(self.r.node, info["nodes"], self.spec)
+        self.backend.bind(info["nodes"], info["uuid"], False)
+        self._adopt(info)
+
+    def _read_superblock(self):
+        return _sb.unpack(self.dma_read(0, _sb.SB_BYTES), self.r.size, self.spec)
+
+    def _adopt(self, info):
+        self.nodes = info["nodes"]
+        self.uuid = info["uuid"]
+        self.sections = dict(info["sections"])
+        self.heartbeat(attach=True)
+
+    def heartbeat(self, bint attach=False):
+        """Publish this node's liveness (pid, wall clock) in its node area."""
+        area = self.node_area(self.r.node)
+        if attach:
+            self.flush(area + 16, 8)  # observe before the read-modify-write
+            self.store64(area + 16, self.load64(area + 16) + 1)
+            self.store64(area + 24, _sb.host_id())
+        self.store64(area, os.getpid())
+        self.store64(area + 8, time.time_ns())
+        self.persist(area, 32)
+
+    def node_area(self, int node):
+        """Offset of node `node`'s area (written only by that node)."""
+        _sb.check_node(node, self.nodes, self.spec)
+        return self.sections["nodes"][0] + node * _sb.NODE_AREA
+
+    def close(self):
+        """Detach: delayed flushes are completed, the mapping is released. Idempotent."""
+        if self._busy:
+            raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
+                              "copy on this region")
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.r.closed else f"node {self.r.node}/{self.nodes}"
+        return f"<cxlrt.Region {self.spec} {self.r.size} bytes, {state}>"
+
+    # --- properties ---------------------------------------------------------------
+
+    @property
+    def size(self):
+        return self.r.size
+
+    @property
+    def node(self):
+        return self.r.node
+
+    @property
+    def closed(self):
+        return bool(self.r.closed)
+
+    @property
+    def coherent(self):
+        """True when every node sees every store at once (flushes are no-ops)."""
+        return bool(self.r.caps & CXL_CAP_COHERENT)
+
+    @property
+    def caps(self):
+        return Caps(self.r.caps)
+
+    @property
+    def heap(self):
+        """(offset, size) of the free space after the fixed sections."""
+        return self.sections["heap"]
+
+    def stats(self):
+        """Backend counters of this process (dict); see the backend's docs."""
+        return self.backend.stats()
+
+    # --- status -------------------------------------------------------------------
+
+    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n) except -1:
+        """Turn a CXLRT_E_* status into the matching exception."""
+        if rc == 0:
+            return 0
+        if rc == CXLRT_E_RANGE:
+            raise OutOfRangeError(f"{op}: [{off}, {off + n}) is outside the region of "
+                                  f"{self.r.size} bytes" + (
+                                      " or not 8-byte aligned" if op.endswith("64") else ""))
+        if rc == CXLRT_E_CLOSED:
+            raise RegionClosedError(f"{op}: {self.spec} is closed")
+        if rc == CXLRT_E_COHERENCE:
+            v = self.backend.last_violation() or {}
+            seed = self.backend.params.get("seed")
+            other = v.get("other", -1)
+            who = f" (node {other} holds it dirty)" if other >= 0 else ""
+            raise CoherenceError(
+                f"{op}: {v.get('kind', 'violation')} at offset 0x{v.get('offset', 0):x} "
+                f"(line {v.get('offset', 0) // 64}) by node {self.r.node}{who}; "
+                f"replay with seed={seed}",
+                kind=v.get("kind", ""), offset=v.get("offset", -1), node=self.r.node,
+                other=other)
+        if rc == CXLRT_E_UNSUPPORTED:
+            raise UnsupportedError(f"{op}: not supported by {self.backend.scheme}: "
+                                   "(backend not bound to a node yet?)")
+        raise RegionError(f"{op}: backend error {rc}")
+
+    # --- loads and stores through this node's view -------------------------------
+
+    def load64(self, uint64_t off):
+        """Load an aligned 8-byte little-endian word through this node's view."""
+        cdef uint64_t v = 0
+        self._rc(cxl_load64(self.r, off, &v), "load64", off, 8)
+        return v
+
+    def store64(self, uint64_t off, uint64_t value):
+        """Store an aligned 8-byte word into this node's view (publish with persist)."""
+        self._rc(cxl_store64(self.r, off, value), "store64", off, 8)
+
+    def load(self, uint64_t off, uint64_t n):
+        """Copy `n` bytes out of this node's view."""
+        cdef int rc = cxl_check_range(self.r, off, n)
+        self._rc(rc, "load", off, n)
+        out = PyBytes_FromStringAndSize(NULL, n)
+        cdef char* p = PyBytes_AS_STRING(out)
+        if n >= DEF_NOGIL_BYTES:
+            self._busy += 1
+            with nogil:
+                rc = cxl_load(self.r, off, p, n)
+            self._busy -= 1
+        else:
+            rc = cxl_load(self.r, off, p, n)
+        self._rc(rc, "load", off, n)
+        return out
+
+    def store(self, uint64_t off, const unsigned char[::1] data not None):
+        """Copy a bytes-like object into this node's view (publish with persist)."""
+        cdef uint64_t n = data.shape[0]
+        cdef int rc
+        cdef const unsigned char* p = &data[0] if n else NULL
+        if n >= DEF_NOGIL_BYTES:
+            self._busy += 1
+            with nogil:
+                rc = cxl_store(self.r, off, p, n)
+            self._busy -= 1
+        else:
+            rc = cxl_store(self.r, off, p, n)
+        self._rc(rc, "store", off, n)
+
+    def flush(self, uint64_t off, uint64_t n, *, bint drain=True):
+        """Write back and drop the lines of ``[off, off+n)`` from this node's view.
+
+        With ``drain=False`` the write-back may complete only at the next
+        :meth:`fence` (clflushopt semantics; ``emu:...&delay=1`` models that).
+        """
+        if drain:
+            self._rc(cxl_flush(self.r, off, n), "flush", off, n)
+        else:
+            self._rc(cxl_flush_nodrain(self.r, off, n), "flush", off, n)
+
+    def fence(self):
+        """Full fence: every earlier access and flush completes before any later one."""
+        self._rc(cxl_fence(self.r), "fence", 0, 0)
+
+    def persist(self, uint64_t off, uint64_t n):
+        """Publish: flush ``[off, off+n)`` then fence."""
+        self._rc(cxl_persist(self.r, off, n), "persist", off, n)
+
+    # --- bulk DMA, bypassing every view --------------------------------------------
+
+    def dma_read(self, uint64_t off, uint64_t n):
+        """Read `n` bytes of the medium (device DMA semantics) into new bytes."""
+        self._rc(cxl_check_range(self.r, off, n), "dma_read", off, n)
+        out = PyBytes_FromStringAndSize(NULL, n)
+        self._dma_read(off, PyBytes_AS_STRING(out), n)
+        return out
+
+    def dma_read_into(self, uint64_t off, unsigned char[::1] out not None):
+        """Read ``len(out)`` bytes of the medium into a writable contiguous buffer."""
+        cdef uint64_t n = out.shape[0]
+        self._dma_read(off, <char*>&out[0] if n else NULL, n)
+
+    cdef _dma_read(self, uint64_t off, char* p, uint64_t n):
+        cdef int rc
+        self._busy += 1
+        try:
+            with nogil:
+                rc = cxl_dma_read(self.r, off, p, n)
+        finally:
+            self._busy -= 1
+        self._rc(rc, "dma_read", off, n)
+
+    def dma_write(self, uint64_t off, const unsigned char[::1] data not None):
+        """Write a bytes-like object to the medium; visible to every node on return."""
+        cdef uint64_t n = data.shape[0]
+        cdef const unsigned char* p = &data[0] if n else NULL
+        cdef int rc
+        self._busy += 1
+        try:
+            with nogil:
+                rc = cxl_dma_write(self.r, off, p, n)
+        finally:
+            self._busy -= 1
+        self._rc(rc, "dma_write", off, n)
+
+    def view(self, uint64_t off, uint64_t n):
+        """A writable memoryview of the medium ``[off, off+n)`` (mappable backends).
+
+        The view is a DMA window: it bypasses node views, so use it for payload
+        bytes and publish metadata only after writing through it.
+        """
+        self._rc(cxl_check_range(self.r, off, n), "view", off, n)
+        if not self.r.caps & CXL_CAP_MAPPABLE:
+            raise UnsupportedError(f"view: {self.backend.scheme}: memory is not mappable")
+        return self.backend.view(off, n)

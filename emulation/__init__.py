@@ -1,0 +1,1 @@
+"""The non-coherent emulation of CXL shared memory, installed as ``cxlrt.emulation``."""

@@ -1,0 +1,82 @@
+# The non-coherent emulation: one software cache of 64-byte lines per node.
+#
+# Invariants:
+#  - Node n's cache lives in the sidecar file, so every process that attaches as
+#    node n shares it (a node's processes are coherent with each other, as on
+#    real hardware). Each cache set has a host-local spinlock whose word holds
+#    the holder's thread id, so a holder that died can be detected and skipped.
+#  - A tag is 0 (empty) or (line + 1) << 2 | state, state EMU_CLEAN or EMU_DIRTY.
+#  - Only write-backs (flush, capacity victim, injected eviction, delayed flush at
+#    fence) move cached bytes to the medium, and always a whole line.
+#  - dma_read/dma_write touch only the medium.
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.backend cimport Backend
+from cxlrt.mapping cimport Mapping
+
+
+cdef enum:
+    EMU_CLEAN = 1
+    EMU_DIRTY = 2
+    EMU_STATE_MASK = 3
+    EMU_PENDING_MAX = 256   # delayed flushes held before a forced drain
+    EMU_RECENT = 64         # recently dirtied lines, the eviction fault's victims
+
+
+cdef enum:
+    EMU_V_NONE = 0
+    EMU_V_DIRTY_TWO = 1     # a line dirty in two nodes at once
+    EMU_V_STALE_READ = 2    # a load served from a clean copy that no longer matches
+    EMU_V_STORE_STALE = 3   # a store into a clean copy that no longer matches
+    EMU_V_DMA_OVER_DIRTY = 4  # a DMA write over a line some node holds dirty
+    EMU_V_DMA_READ_DIRTY = 5  # a DMA read of a line some node holds dirty
+
+
+ctypedef struct emu_set_meta:
+    uint32_t lock    # 0 free, else holder thread id
+    uint32_t victim  # round-robin replacement pointer
+
+
+ctypedef struct emu_stats:
+    uint64_t loads         # load/load64 calls
+    uint64_t stores        # store/store64 calls
+    uint64_t misses        # line fills from the medium
+    uint64_t writebacks    # lines written back by flush or fence
+    uint64_t capacity_wb   # dirty victims written back to make room
+    uint64_t evictions     # injected spontaneous write-backs
+    uint64_t delayed       # flushes deferred to the next fence
+    uint64_t violations    # checker errors raised
+
+
+ctypedef struct emu_ctx:
+    char* medium              # shared mapping of the region file
+    uint64_t size             # region bytes
+    uint32_t node             # this view's node
+    uint32_t nodes            # nodes sharing the sidecar
+    uint32_t ways             # associativity
+    uint64_t sets             # sets per node (power of two)
+    emu_set_meta* meta        # this node's set locks
+    uint64_t* tags            # this node's tags [sets * ways]
+    char* data                # this node's lines [sets * ways * 64]
+    uint64_t** peer_tags      # every node's tags, for the checker's peeks
+    uint64_t rng              # xorshift state of the fault injector
+    uint64_t evict_threshold  # P(evict) * 2**64 per access
+    uint32_t delay            # defer flush_nodrain write-backs to fence
+    uint32_t check            # raise on violations
+    uint64_t lat_ns           # modelled device latency per line transfer
+    double bytes_per_ns       # modelled DMA bandwidth (GB/s), 0 = unlimited
+    uint64_t pending[EMU_PENDING_MAX]  # lines awaiting a delayed write-back
+    uint32_t npending
+    uint64_t recent[EMU_RECENT]  # line + 1 of recently dirtied lines
+    uint32_t recent_pos
+    int v_kind                # last violation (EMU_V_*)
+    uint64_t v_off
+    int v_other
+    emu_stats st              # this process's counters
+
+
+cdef class EmuBackend(Backend):
+    cdef emu_ctx* c                # per-process state, malloc'ed
+    cdef readonly Mapping mapping  # the medium
+    cdef readonly Mapping sidecar  # the per-node caches
+    cdef readonly str sidecar_path

@@ -1,0 +1,562 @@
+# cython: language_level=3
+"""``emu:`` — CXL shared memory without coherence, emulated over a shared file.
+
+Each node sees the region through its own software cache of 64-byte lines
+(kept in a sidecar file ``<path>.emu`` so a node's processes share it). A load
+is served from the node's copy until that copy is flushed; a store stays in the
+node's copy until it is written back, always as a whole line. Faults are
+injected from a seed: spontaneous write-back of recently dirtied lines
+(``evict``), flushes whose write-back waits for the next fence (``delay``),
+and the latency and bandwidth of a modelled device (``lat``, ``bw``). The
+checker (``check=1``) turns protocol violations into ``CoherenceError``.
+"""
+
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcmp, memcpy
+
+from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS,
+                            CXLRT_E_COHERENCE, cxl_ops)
+from cxlrt.includes.intrin cimport (cxl_atomic_cas_acq32, cxl_atomic_load_acquire32,
+                                    cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
+                                    cxl_atomic_store_release32, cxl_cpu_relax, cxl_fence_full,
+                                    cxl_spin_ns, cxl_thread_id, likely, unlikely)
+from cxlrt.mapping cimport Mapping
+
+from cxlrt.emulation import sidecar as _sidecar
+
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+    int ESRCH
+
+# --- per-set lock -------------------------------------------------------------
+
+cdef inline void _set_lock(emu_ctx* c, uint64_t s) noexcept nogil:
+    """Take set s of this node; steal it from a holder thread that no longer exists."""
+    cdef uint32_t me = cxl_thread_id()
+    cdef uint32_t* w = &c.meta[s].lock
+    cdef uint64_t spins = 0
+    cdef uint32_t holder
+    while True:
+        # Acquire pairs with the release in _set_unlock: the holder's line
+        # updates are visible once we own the set.
+        if cxl_atomic_cas_acq32(w, 0, me):
+            return
+        spins += 1
+        if unlikely(spins >= (1 << 20)):
+            spins = 0
+            holder = cxl_atomic_load_acquire32(w)
+            if holder != 0 and kill(<int>holder, 0) != 0 and errno == ESRCH:
+                if cxl_atomic_cas_acq32(w, holder, me):
+                    return
+        cxl_cpu_relax()
+
+
+cdef inline void _set_unlock(emu_ctx* c, uint64_t s) noexcept nogil:
+    """Release set s; pairs with the acquire in _set_lock."""
+    cxl_atomic_store_release32(&c.meta[s].lock, 0)
+
+
+# --- lines ----------------------------------------------------------------------
+
+cdef inline uint64_t _rand(emu_ctx* c) noexcept nogil:
+    """xorshift64*: cheap, seeded, good enough to pick fault sites."""
+    cdef uint64_t x = c.rng
+    x ^= x >> 12
+    x ^= x << 25
+    x ^= x >> 27
+    c.rng = x
+    return x * <uint64_t>0x2545F4914F6CDD1D
+
+
+cdef inline int _find(emu_ctx* c, uint64_t s, uint64_t line) noexcept nogil:
+    """Way of `line` in set s of this node, or -1. Set lock held."""
+    cdef uint64_t want = (line + 1) << 2
+    cdef uint64_t* t = c.tags + s * c.ways
+    cdef uint32_t w
+    for w in range(c.ways):
+        if (t[w] & ~(<uint64_t>EMU_STATE_MASK)) == want:
+            return <int>w
+    return -1
+
+
+cdef inline void _writeback(emu_ctx* c, uint64_t s, uint32_t w) noexcept nogil:
+    """Copy a cached line to the medium, whole, and mark it clean. Set lock held."""
+    cdef uint64_t i = s * c.ways + w
+    cdef uint64_t line = (c.tags[i] >> 2) - 1
+    memcpy(c.medium + line * 64, c.data + i * 64, 64)
+    cxl_spin_ns(c.lat_ns)
+    c.tags[i] = (c.tags[i] & ~(<uint64_t>EMU_STATE_MASK)) | EMU_CLEAN
+
+
+cdef inline int _fill(emu_ctx* c, uint64_t s, uint64_t line) noexcept nogil:
+    """Bring `line` into set s, writing back a dirty victim first. Set lock held."""
+    cdef uint64_t* t = c.tags + s * c.ways
+    cdef uint32_t w
+    cdef int way = -1
+    for w in range(c.ways):
+        if t[w] == 0:
+            way = <int>w
+            break
+    if way < 0:
+        way = <int>(c.meta[s].victim % c.ways)
+        c.meta[s].victim = (c.meta[s].victim + 1) % c.ways
+        if (t[way] & EMU_STATE_MASK) == EMU_DIRTY:
+            _writeback(c, s, way)
+            c.st.capacity_wb += 1
+    memcpy(c.data + (s * c.ways + way) * 64, c.medium + line * 64, 64)
+    cxl_spin_ns(c.lat_ns)
+    cxl_atomic_store_relaxed64(&t[way], ((line + 1) << 2) | EMU_CLEAN)
+    c.st.misses += 1
+    return way
+
+
+cdef inline int _dirty_elsewhere(emu_ctx* c, uint64_t line) noexcept nogil:
+    """Another node holding `line` dirty, or -1. Peeks without their set lock."""
+    cdef uint64_t s = line & (c.sets - 1)
+    cdef uint64_t want = ((line + 1) << 2) | EMU_DIRTY
+    cdef uint32_t n, w
+    cdef uint64_t* t
+    for n in range(c.nodes):
+        if n == c.node:
+            continue
+        t = c.peer_tags[n] + s * c.ways
+        for w in range(c.ways):
+            if cxl_atomic_load_relaxed64(&t[w]) == want:
+                return <int>n
+    return -1
+
+
+cdef inline int _dirty_anywhere(emu_ctx* c, uint64_t line) noexcept nogil:
+    """Any node (this one included) holding `line` dirty, or -1."""
+    cdef uint64_t s = line & (c.sets - 1)
+    cdef uint64_t want = ((line + 1) << 2) | EMU_DIRTY
+    cdef uint32_t n, w
+    cdef uint64_t* t
+    for n in range(c.nodes):
+        t = c.peer_tags[n] + s * c.ways
+        for w in range(c.ways):
+            if cxl_atomic_load_relaxed64(&t[w]) == want:
+                return <int>n
+    return -1
+
+
+cdef inline int _violation(emu_ctx* c, int kind, uint64_t line, int other) noexcept nogil:
+    """Record a checker violation and return the status that reports it."""
+    c.v_kind = kind
+    c.v_off = line * 64
+    c.v_other = other
+    c.st.violations += 1
+    return CXLRT_E_COHERENCE
+
+
+cdef inline void _maybe_evict(emu_ctx* c) noexcept nogil:
+    """Fault: with probability `evict`, write back and drop a recently dirtied line."""
+    cdef uint64_t tag, line, s
+    cdef int w
+    if likely(c.evict_threshold == 0) or _rand(c) >= c.evict_threshold:
+        return
+    tag = c.recent[_rand(c) % EMU_RECENT]
+    if tag == 0:
+        return
+    line = tag - 1
+    s = line & (c.sets - 1)
+    _set_lock(c, s)
+    w = _find(c, s, line)
+    if w >= 0:
+        if (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_DIRTY:
+            _writeback(c, s, <uint32_t>w)
+            c.st.evictions += 1
+        c.tags[s * c.ways + w] = 0
+    _set_unlock(c, s)
+
+
+cdef inline int _flush_line(emu_ctx* c, uint64_t line) noexcept nogil:
+    """clflush of one line: write back if dirty, then drop it from this node."""
+    cdef uint64_t s = line & (c.sets - 1)
+    cdef int w
+    _set_lock(c, s)
+    w = _find(c, s, line)
+    if w >= 0:
+        if (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_DIRTY:
+            _writeback(c, s, <uint32_t>w)
+            c.st.writebacks += 1
+        cxl_atomic_store_relaxed64(&c.tags[s * c.ways + w], 0)
+    _set_unlock(c, s)
+    return 0
+
+
+cdef inline int _drain(emu_ctx* c) noexcept nogil:
+    """Complete every delayed flush of this process."""
+    cdef uint32_t i
+    for i in range(c.npending):
+        _flush_line(c, c.pending[i])
+    c.npending = 0
+    return 0
+
+
+# --- ops ------------------------------------------------------------------------
+
+cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Copy n bytes out of this node's cached lines, filling misses."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t end = off + n, line, s, a, b, i
+    cdef int w
+    cdef bint hit_clean
+    cdef char* out = <char*>dst
+    c.st.loads += 1
+    while off < end:
+        line = off >> 6
+        a = off & 63
+        b = 64 if (end - (line << 6)) >= 64 else end - (line << 6)
+        s = line & (c.sets - 1)
+        _set_lock(c, s)
+        w = _find(c, s, line)
+        hit_clean = False
+        if w < 0:
+            w = _fill(c, s, line)
+        else:
+            hit_clean = (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
+        i = (s * c.ways + w) * 64
+        if unlikely(c.check and hit_clean
+                    and memcmp(c.data + i + a, c.medium + (line << 6) + a, b - a) != 0):
+            _set_unlock(c, s)
+            return _violation(c, EMU_V_STALE_READ, line, -1)
+        memcpy(out, c.data + i + a, b - a)
+        _set_unlock(c, s)
+        out += b - a
+        off = (line << 6) + b
+    _maybe_evict(c)
+    return 0
+
+
+cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    """Copy n bytes into this node's cached lines and mark them dirty."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t end = off + n, line, s, a, b, i
+    cdef int w, other
+    cdef const char* inp = <const char*>src
+    c.st.stores += 1
+    while off < end:
+        line = off >> 6
+        a = off & 63
+        b = 64 if (end - (line << 6)) >= 64 else end - (line << 6)
+        s = line & (c.sets - 1)
+        _set_lock(c, s)
+        w = _find(c, s, line)
+        if w < 0:
+            w = _fill(c, s, line)
+        elif unlikely(c.check
+                      and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
+                      and memcmp(c.data + (s * c.ways + w) * 64, c.medium + (line << 6), 64) != 0):
+            _set_unlock(c, s)
+            return _violation(c, EMU_V_STORE_STALE, line, -1)
+        if unlikely(c.check):
+            other = _dirty_elsewhere(c, line)
+            if other >= 0:
+                _set_unlock(c, s)
+                return _violation(c, EMU_V_DIRTY_TWO, line, other)
+        i = s * c.ways + w
+        memcpy(c.data + i * 64 + a, inp, b - a)
+        if (c.tags[i] & EMU_STATE_MASK) != EMU_DIRTY:
+            cxl_atomic_store_relaxed64(&c.tags[i], (c.tags[i] & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
+            c.recent[c.recent_pos % EMU_RECENT] = line + 1
+            c.recent_pos += 1
+        _set_unlock(c, s)
+        inp += b - a
+        off = (line << 6) + b
+    _maybe_evict(c)
+    return 0
+
+
+cdef int emu_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
+    """One 8-byte load; aligned, so it lies in one line and is never torn."""
+    return emu_load(ctx, off, out, 8)
+
+
+cdef int emu_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
+    """One 8-byte store; aligned, so it lies in one line and is never torn."""
+    return emu_store(ctx, off, &v, 8)
+
+
+cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
+    """clflush: every line of the range is written back (if dirty) and dropped now."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6 if n else 0
+    if n == 0:
+        return 0
+    while line <= last:
+        _flush_line(c, line)
+        line += 1
+    # Orders the write-backs before this thread's next access, as clflush + mfence.
+    cxl_fence_full()
+    return 0
+
+
+cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
+    """clflushopt: with `delay`, the write-back waits for the next fence."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6 if n else 0
+    if not c.delay:
+        return emu_flush(ctx, off, n)
+    if n == 0:
+        return 0
+    while line <= last:
+        if c.npending == EMU_PENDING_MAX:
+            _drain(c)   # hardware may complete queued flushes early; so may we
+        c.pending[c.npending] = line
+        c.npending += 1
+        c.st.delayed += 1
+        line += 1
+    return 0
+
+
+cdef int emu_fence(void* ctx) noexcept nogil:
+    """Drain delayed flushes, then a full CPU fence between processes."""
+    _drain(<emu_ctx*>ctx)
+    cxl_fence_full()
+    return 0
+
+
+cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Read the medium directly; the checker flags lines some node holds dirty."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t line, last
+    cdef int other
+    if n == 0:
+        return 0
+    if unlikely(c.check):
+        line = off >> 6
+        last = (off + n - 1) >> 6
+        while line <= last:
+            other = _dirty_anywhere(c, line)
+            if other >= 0:
+                return _violation(c, EMU_V_DMA_READ_DIRTY, line, other)
+            line += 1
+    memcpy(dst, c.medium + off, n)
+    _dma_delay(c, n)
+    return 0
+
+
+cdef int emu_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    """Write the medium directly; cached copies elsewhere become stale, not updated."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t line, last
+    cdef int other
+    if n == 0:
+        return 0
+    if unlikely(c.check):
+        line = off >> 6
+        last = (off + n - 1) >> 6
+        while line <= last:
+            other = _dirty_anywhere(c, line)
+            if other >= 0:
+                return _violation(c, EMU_V_DMA_OVER_DIRTY, line, other)
+            line += 1
+    memcpy(c.medium + off, src, n)
+    _dma_delay(c, n)
+    # The data must be in the medium before any flag the caller publishes next.
+    cxl_fence_full()
+    return 0
+
+
+cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:
+    """Model the device: one latency plus n bytes at the modelled bandwidth."""
+    cdef uint64_t ns = c.lat_ns
+    if c.bytes_per_ns > 0:
+        ns += <uint64_t>(n / c.bytes_per_ns)
+    cxl_spin_ns(ns)
+
+
+cdef cxl_ops EMU_OPS
+EMU_OPS.load = emu_load
+EMU_OPS.store = emu_store
+EMU_OPS.load64 = emu_load64
+EMU_OPS.store64 = emu_store64
+EMU_OPS.flush = emu_flush
+EMU_OPS.flush_nodrain = emu_flush_nodrain
+EMU_OPS.fence = emu_fence
+EMU_OPS.dma_read = emu_dma_read
+EMU_OPS.dma_write = emu_dma_write
+
+
+cdef int _unbound_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    return -1005
+
+
+cdef int _unbound_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    return -1005
+
+
+cdef int _unbound_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
+    return -1005
+
+
+cdef int _unbound_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
+    return -1005
+
+
+cdef int _unbound_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
+    return -1005
+
+
+cdef int _unbound_fence(void* ctx) noexcept nogil:
+    return -1005
+
+
+# Before bind() only DMA works: the superblock is read and written that way,
+# and the caches cannot be sized until the node count is known.
+cdef cxl_ops EMU_UNBOUND_OPS
+EMU_UNBOUND_OPS.load = _unbound_load
+EMU_UNBOUND_OPS.store = _unbound_store
+EMU_UNBOUND_OPS.load64 = _unbound_load64
+EMU_UNBOUND_OPS.store64 = _unbound_store64
+EMU_UNBOUND_OPS.flush = _unbound_flush
+EMU_UNBOUND_OPS.flush_nodrain = _unbound_flush
+EMU_UNBOUND_OPS.fence = _unbound_fence
+EMU_UNBOUND_OPS.dma_read = emu_dma_read
+EMU_UNBOUND_OPS.dma_write = emu_dma_write
+
+
+_VIOLATIONS = {
+    EMU_V_DIRTY_TWO: "dirty-in-two-nodes",
+    EMU_V_STALE_READ: "stale-read",
+    EMU_V_STORE_STALE: "store-to-stale",
+    EMU_V_DMA_OVER_DIRTY: "dma-over-dirty",
+    EMU_V_DMA_READ_DIRTY: "dma-read-dirty",
+}
+
+_instances = 0
+
+
+cdef class EmuBackend(Backend):
+    """The non-coherent emulation of one node's view.
+
+    Parameters
+    ----------
+    path : str
+        The region file; the caches live in ``path + ".emu"``.
+    params : dict
+        Parsed spec parameters, see :data:`PARAMS`.
+    node : int
+        This view's node id.
+    size : int
+        Region bytes (the file's size).
+    """
+
+    def __cinit__(self):
+        self.c = <emu_ctx*>calloc(1, sizeof(emu_ctx))
+        if self.c == NULL:
+            raise MemoryError()
+
+    def __init__(self, str path, dict params, int node, unsigned long long size):
+        global _instances
+        cdef emu_ctx* c = self.c
+        self.scheme = "emu"
+        self.path = path
+        self.params = dict(params)
+        self.mapping = Mapping(path, size)
+        self.sidecar_path = path + ".emu"
+        c.medium = self.mapping.base
+        c.size = size
+        c.node = node
+        # One stream per (seed, node, Region opened in this process), so a run
+        # replays from its seed as far as the scheduler allows.
+        _instances += 1
+        c.rng = _sidecar.mix_seed(params["seed"], node, _instances)
+        c.evict_threshold = _sidecar.probability_threshold(params["evict"])
+        c.delay = params["delay"]
+        c.check = params["check"]
+        c.lat_ns = params["lat"]
+        c.bytes_per_ns = params["bw"]
+        self.reg.base = self.mapping.base
+        self.reg.size = size
+        self.reg.caps = CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE | CXL_CAP_SHARED_HOSTS
+        self.reg.flags = 0
+        self.reg.node = node
+        self.reg.ctx = self.c
+        self.reg.ops = &EMU_UNBOUND_OPS
+        self.reg.closed = 0
+
+    def bind(self, int nodes, unsigned long long uuid, bint fresh):
+        """Attach this node's cache in the sidecar, creating or replacing the sidecar.
+
+        Parameters
+        ----------
+        nodes : int
+            Node count from the superblock.
+        uuid : int
+            The region's format id; a sidecar left by an older format is replaced.
+        fresh : bool
+            The region was just formatted: always start from empty caches.
+        """
+        cdef emu_ctx* c = self.c
+        cdef char* side
+        if c.node >= <uint32_t>nodes:
+            raise ValueError(f"node {c.node} >= nodes {nodes}")
+        geo = _sidecar.geometry(self.c.size, self.params["cache"], self.params["ways"])
+        self.sidecar = _sidecar.attach(self.sidecar_path, nodes=nodes, uuid=uuid,
+                                       region_size=self.c.size, geometry=geo, fresh=fresh)
+        sets, ways = _sidecar.read_geometry(self.sidecar)
+        c.nodes = nodes
+        c.sets = sets
+        c.ways = ways
+        c.peer_tags = <uint64_t**>calloc(nodes, sizeof(uint64_t*))
+        if c.peer_tags == NULL:
+            raise MemoryError()
+        side = self.sidecar.base
+        for n in range(nodes):
+            offs = _sidecar.node_offsets(n, sets, ways)
+            c.peer_tags[n] = <uint64_t*>(side + <size_t>offs["tags"])
+        offs = _sidecar.node_offsets(c.node, sets, ways)
+        c.meta = <emu_set_meta*>(side + <size_t>offs["meta"])
+        c.tags = <uint64_t*>(side + <size_t>offs["tags"])
+        c.data = side + <size_t>offs["data"]
+        self.reg.ops = &EMU_OPS
+
+    cpdef close(self):
+        if self.c != NULL and self.reg.ops == &EMU_OPS and not self.reg.closed:
+            _drain(self.c)  # a delayed flush is still a flush the program issued
+        if self.mapping is not None:
+            self.mapping.close()  # raises while views are alive; we stay open then
+            self.mapping = None
+        self.reg.closed = 1
+        if self.sidecar is not None:
+            self.sidecar.close()
+            self.sidecar = None
+        if self.c != NULL:
+            free(self.c.peer_tags)
+            self.c.peer_tags = NULL
+        self.reg.base = NULL
+
+    def __dealloc__(self):
+        self.reg.closed = 1
+        if self.c != NULL:
+            free(self.c.peer_tags)
+            free(self.c)
+            self.c = NULL
+
+    def view(self, unsigned long long off, unsigned long long n):
+        """A window on the medium itself (DMA semantics: it bypasses the caches)."""
+        return self.mapping.view(off, n)
+
+    def stats(self):
+        """This process's emulation counters (dict of int)."""
+        s = self.c.st
+        return {"loads": s.loads, "stores": s.stores, "misses": s.misses,
+                "writebacks": s.writebacks, "capacity_writebacks": s.capacity_wb,
+                "evictions": s.evictions, "delayed_flushes": s.delayed,
+                "violations": s.violations}
+
+    def last_violation(self):
+        """The last checker violation as a dict, or None."""
+        if self.c.v_kind == EMU_V_NONE:
+            return None
+        return {"kind": _VIOLATIONS[self.c.v_kind], "offset": self.c.v_off,
+                "node": self.c.node, "other": self.c.v_other}
+
+
+PARAMS = _sidecar.PARAMS

@@ -1,0 +1,89 @@
+"""Build cxlrt's Cython extensions.
+
+Environment knobs (pip cannot pass build_ext flags through PEP 517 easily):
+  CXLRT_DEBUG=1|2   compile with CXLRT_DEBUG (asserts, counters) and CYTHON_TRACE_NOGIL
+  CXLRT_ANNOTATE=1  write Cython's HTML annotation next to each .pyx
+"""
+
+import os
+import sys
+
+from setuptools import Extension, setup
+
+MIN_CYTHON = (3, 1)
+
+try:
+    import Cython
+    from Cython.Build import cythonize
+except ImportError:
+    sys.exit("cxlrt needs Cython >= 3.1 to build: pip install 'Cython>=3.1,<4'")
+
+if tuple(int(x) for x in Cython.__version__.split(".")[:2]) < MIN_CYTHON:
+    sys.exit(f"cxlrt needs Cython >= 3.1, found {Cython.__version__}")
+
+DEBUG = int(os.environ.get("CXLRT_DEBUG", "0") or 0)
+ANNOTATE = os.environ.get("CXLRT_ANNOTATE") == "1"
+
+DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": False,
+    "wraparound": False,
+    "cdivision": True,
+    "initializedcheck": False,
+    "embedsignature": True,
+    "profile": False,
+    "linetrace": bool(DEBUG),
+}
+
+MACROS = [("CXLRT_DEBUG", str(DEBUG))]
+if DEBUG:
+    MACROS += [("CYTHON_TRACE_NOGIL", "1")]
+CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
+INCLUDE = ["cxlrt/includes"]
+
+# (extension name, source): backends/ and emulation/ install as cxlrt.backends
+# and cxlrt.emulation, so the tree shows the layers and imports stay in one namespace.
+MODULES = [
+    ("cxlrt.mapping", "cxlrt/mapping.pyx"),
+    ("cxlrt.backend", "cxlrt/backend.pyx"),
+    ("cxlrt.superblock", "cxlrt/superblock.pyx"),
+    ("cxlrt.region", "cxlrt/region.pyx"),
+    ("cxlrt.microbench", "cxlrt/microbench.pyx"),
+    ("cxlrt.backends.file", "backends/file.pyx"),
+    ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),
+]
+
+
+def _extensions():
+    # Cython names a module after its path (backends/file.pyx -> backends.file),
+    # which is also how it finds the module's own .pxd; the installed name is
+    # cxlrt.backends.file. Cythonize by path, then install under the real name
+    # (the init symbol, PyInit_file, depends only on the last component).
+    out = []
+    for name, src in MODULES:
+        (ext,) = cythonize(
+            [Extension(src[:-4].replace("/", "."), [src], include_dirs=INCLUDE,
+                       define_macros=MACROS, extra_compile_args=CFLAGS)],
+            compiler_directives=DIRECTIVES,
+            include_path=["."],
+            annotate=ANNOTATE,
+            compile_time_env={"CXLRT_DEBUG": DEBUG},
+        )
+        ext.name = name
+        out.append(ext)
+    return out
+
+
+setup(
+    package_dir={"cxlrt": "cxlrt", "cxlrt.backends": "backends",
+                 "cxlrt.emulation": "emulation"},
+    packages=["cxlrt", "cxlrt.includes", "cxlrt.backends", "cxlrt.emulation"],
+    package_data={
+        "cxlrt": ["*.pxd", "*.pyi", "py.typed"],
+        "cxlrt.includes": ["*.pxd", "*.h"],
+        "cxlrt.backends": ["*.pxd", "*.pyi"],
+        "cxlrt.emulation": ["*.pxd", "*.pyi"],
+    },
+    ext_modules=_extensions(),
+    zip_safe=False,
+)

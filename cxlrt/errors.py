@@ -70,3 +70,13 @@ class CoherenceError(CxlrtError):
         self.offset = offset
         self.node = node
         self.other = other
+
+    def __reduce__(self):
+        # Keep the details when the error crosses a process boundary.
+        return (_rebuild_coherence_error,
+                (str(self), self.kind, self.offset, self.node, self.other))
+
+
+def _rebuild_coherence_error(message: str, kind: str, offset: int, node: int,
+                             other: int) -> CoherenceError:
+    return CoherenceError(message, kind=kind, offset=offset, node=node, other=other)

@@ -157,11 +157,9 @@ cdef inline void _maybe_evict(emu_ctx* c) noexcept nogil:
     """Fault: with probability `evict`, write back and drop a recently dirtied line."""
     cdef uint64_t tag, line, s
     cdef int w
-    if likely(c.evict_threshold == 0) or _rand(c) >= c.evict_threshold:
+    if likely(c.evict_threshold == 0) or _rand(c) >= c.evict_threshold or c.recent_pos == 0:
         return
-    tag = c.recent[_rand(c) % EMU_RECENT]
-    if tag == 0:
-        return
+    tag = c.recent[_rand(c) % (c.recent_pos if c.recent_pos < EMU_RECENT else EMU_RECENT)]
     line = tag - 1
     s = line & (c.sets - 1)
     _set_lock(c, s)

@@ -1,0 +1,175 @@
+"""perf/ harness: scratch regions, and every benchmark's ratio to its group's baseline.
+
+Machines are noisy, so no benchmark asserts a time. Each group instead holds one
+baseline measured in the same run, and each row is reported relative to it.
+A benchmark describes itself in ``benchmark.extra_info``:
+
+``label``
+    what the row is, as printed (``"file"``, ``"numpy copy"``).
+``baseline``
+    True on the one row of the group the others are divided by.
+``bytes``
+    bytes moved per call (throughput groups): ratio = baseline time / time, so
+    0.97x means 97 % of the baseline's throughput.
+``ops``
+    operations per call (cost groups): ratio = time / baseline time, so 4x means
+    four times the baseline's cost; ns/op is reported too.
+``target``
+    optional ``{"min_ratio": x}`` or ``{"max_ns_per_op": y}``; reported, never asserted.
+
+Before pytest-benchmark writes ``--benchmark-json`` this file adds ``ratio``,
+``ratio_median``, ``gb_per_s``/``ns_per_op`` (+ ``_median``) and ``target_met``
+to each row's ``extra_info``; the terminal summary prints one line per row.
+Ratios use the minimum over rounds (the least disturbed run); the median is
+given next to it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import cxlrt
+
+REGION_SIZE = "256M"
+NODES = 4
+
+SPECS = {
+    "file": "file:{path}",
+    # The emulation with every fault off: no evictions, no delayed flushes, no
+    # modelled latency. `emu-check` adds the checker, for information only.
+    "emu": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0",
+    "emu-check": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=1",
+}
+LABELS = {"file": "file", "emu": "emu", "emu-check": "emu check=1"}
+
+_ROWS = pytest.StashKey[list]()
+
+
+# --- regions ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def regions() -> Iterator[Callable[[str], cxlrt.Region]]:
+    """``regions(kind)``: node 0 of a fresh region of that kind (see SPECS), opened once.
+
+    The regions live in a private directory under /dev/shm; the region files and
+    the emulation's ``.emu`` sidecars are removed at the end of the session.
+    """
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="cxlrt-perf-", dir=shm)
+    opened: dict[str, cxlrt.Region] = {}
+
+    def get(kind: str) -> cxlrt.Region:
+        if kind not in opened:
+            spec = SPECS[kind].format(path=os.path.join(root, kind))
+            opened[kind] = cxlrt.open(spec, node=0, create=True, size=REGION_SIZE, nodes=NODES)
+        return opened[kind]
+
+    try:
+        yield get
+    finally:
+        for kind, region in opened.items():
+            region.close()
+            path = os.path.join(root, kind)
+            for p in (path, path + ".emu"):
+                if os.path.exists(p):
+                    os.unlink(p)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- ratios -----------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_ROWS] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield  # raises when the test failed: a failed check records nothing
+    fixture = getattr(item, "funcargs", {}).get("benchmark")
+    if fixture is not None and fixture.stats is not None:  # None with --benchmark-disable
+        item.config.stash[_ROWS].append(fixture.stats)
+    return result
+
+
+def _groups(rows: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for row in rows:
+        out.setdefault(row.group or "", []).append(row)
+    for members in out.values():
+        members.sort(key=lambda r: not r.extra_info.get("baseline"))  # baseline first
+    return dict(sorted(out.items()))
+
+
+def _annotate(rows: list) -> None:
+    """Add ratios, rates and target verdicts to each row's extra_info."""
+    for members in _groups(rows).values():
+        base = next((r for r in members if r.extra_info.get("baseline")), None)
+        for row in members:
+            info, st = row.extra_info, row.stats
+            if "bytes" in info:
+                info["gb_per_s"] = info["bytes"] / st.min / 1e9
+                info["gb_per_s_median"] = info["bytes"] / st.median / 1e9
+            if "ops" in info:
+                info["ns_per_op"] = st.min / info["ops"] * 1e9
+                info["ns_per_op_median"] = st.median / info["ops"] * 1e9
+            if base is not None and row is not base:
+                if "bytes" in info:  # throughput: higher is better
+                    info["ratio"] = base.stats.min / st.min
+                    info["ratio_median"] = base.stats.median / st.median
+                else:  # cost: lower is better
+                    info["ratio"] = st.min / base.stats.min
+                    info["ratio_median"] = st.median / base.stats.median
+            target = info.get("target") or {}
+            if "min_ratio" in target and "ratio" in info:
+                info["target_met"] = info["ratio"] >= target["min_ratio"]
+            if "max_ns_per_op" in target and "ns_per_op" in info:
+                info["target_met"] = info["ns_per_op"] < target["max_ns_per_op"]
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session):
+    # tryfirst: runs before pytest-benchmark's own wrapper saves --benchmark-json.
+    _annotate(session.config.stash.get(_ROWS, []))
+    return (yield)
+
+
+def _line(group: str, row, base) -> str:
+    info = row.extra_info
+    head = f"{group} {info.get('label', row.name)}: "
+    if row is base:
+        text = "baseline"
+    elif "ratio" in info:
+        kind = "throughput" if "bytes" in info else "time"
+        base_label = base.extra_info.get("label", base.name)
+        text = f"{info['ratio']:.2f}x {base_label} {kind} (median {info['ratio_median']:.2f}x)"
+    else:
+        text = "no baseline in this run"
+    if "gb_per_s" in info:
+        text += f", {info['gb_per_s']:.2f} GB/s (median {info['gb_per_s_median']:.2f})"
+    if "ns_per_op" in info:
+        text += f", {info['ns_per_op']:.1f} ns/op (median {info['ns_per_op_median']:.1f})"
+    target = info.get("target") or {}
+    if "target_met" in info:
+        want = (f">= {target['min_ratio']:.2f}x" if "min_ratio" in target
+                else f"< {target['max_ns_per_op']} ns/op")
+        text += f"  [target {want}: {'met' if info['target_met'] else 'MISSED'}]"
+    return head + text
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    rows = config.stash.get(_ROWS, [])
+    if not rows:
+        return
+    terminalreporter.section("cxlrt: ratio to each group's baseline (min of rounds)")
+    for group, members in _groups(rows).items():
+        base = next((r for r in members if r.extra_info.get("baseline")), None)
+        for row in members:
+            terminalreporter.write_line(_line(group, row, base))

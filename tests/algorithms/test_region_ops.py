@@ -1,0 +1,177 @@
+"""The backend contract, written once and run on every backend variant."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+import cxlrt
+from tests.nodes import _CTX, host_lock, raise_failures, run_procs
+
+
+def test_publish_observe_between_two_nodes(backend):
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    off = a.heap[0]
+    a.store64(off, 0xDEADBEEF)
+    a.persist(off, 8)
+    b.flush(off, 8)  # observe: drop any copy, then load
+    assert b.load64(off) == 0xDEADBEEF
+    b.store64(off + 64, 7)
+    b.persist(off + 64, 8)
+    a.flush(off + 64, 8)
+    assert a.load64(off + 64) == 7
+    a.close()
+    b.close()
+
+
+def test_unaligned_bytes_across_lines(backend):
+    r = backend.create()
+    off = r.heap[0] + 61  # straddles three lines
+    data = bytes(range(200))
+    r.store(off, data)
+    assert r.load(off, len(data)) == data  # the writer sees its own stores
+    r.persist(off, len(data))
+    assert r.dma_read(off, len(data)) == data
+    r.close()
+
+
+def test_dma_bypasses_views_and_is_visible_after_observe(backend):
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    off = a.heap[0]
+    payload = np.arange(4096, dtype=np.uint64).tobytes()
+    b.flush(off, len(payload))
+    a.dma_write(off, payload)
+    b.flush(off, len(payload))
+    assert b.load(off, len(payload)) == payload
+    out = np.zeros(len(payload), dtype=np.uint8)
+    b.dma_read_into(off, out)
+    assert out.tobytes() == payload
+    a.close()
+    b.close()
+
+
+def test_view_is_a_window_on_the_medium(backend):
+    r = backend.create()
+    off = r.heap[0]
+    v = r.view(off, 128)
+    v[:5] = b"hello"
+    assert r.dma_read(off, 5) == b"hello"
+    with pytest.raises(cxlrt.RegionError, match="views of the region are still alive"):
+        r.close()
+    del v
+    r.close()
+    r.close()  # idempotent
+    assert r.closed
+
+
+@pytest.mark.parametrize("op", ["load64", "store64", "load", "store", "flush", "dma_read",
+                                "dma_write", "view"])
+def test_out_of_range_raises(backend, op):
+    r = backend.create()
+    end = r.size
+    calls = {
+        "load64": lambda: r.load64(end - 4),
+        "store64": lambda: r.store64(end, 1),
+        "load": lambda: r.load(end - 10, 11),
+        "store": lambda: r.store(end - 1, b"ab"),
+        "flush": lambda: r.flush(end, 1),
+        "dma_read": lambda: r.dma_read(2**63, 8),
+        "dma_write": lambda: r.dma_write(end - 3, b"abcd"),
+        "view": lambda: r.view(end - 8, 9),
+    }
+    with pytest.raises(cxlrt.OutOfRangeError, match="outside the region"):
+        calls[op]()
+    assert r.dma_read(end - 8, 8) == bytes(8)  # nothing was written
+    r.close()
+
+
+def test_misaligned_word_access_raises(backend):
+    r = backend.create()
+    with pytest.raises(cxlrt.OutOfRangeError, match="aligned"):
+        r.store64(r.heap[0] + 4, 1)
+    r.close()
+
+
+def test_closed_region_raises(backend):
+    r = backend.create()
+    off = r.heap[0]
+    r.close()
+    with pytest.raises(cxlrt.RegionClosedError):
+        r.load64(off)
+    with pytest.raises(cxlrt.RegionClosedError):
+        r.dma_write(off, b"x")
+
+
+def test_attach_records_heartbeat(backend):
+    backend.create(nodes=3).close()
+    r = backend.open(2)
+    r.close()
+    info = cxlrt.inspect(backend.spec())
+    assert info["nodes"] == 3
+    assert info["node_areas"][2]["attaches"] == 1
+    assert info["node_areas"][2]["heartbeat_age_s"] is not None
+    assert info["node_areas"][1]["heartbeat_age_s"] is None
+
+
+# --- several processes ------------------------------------------------------------
+
+def _slots_writer(spec, node, nodes, barrier, rounds):
+    r = cxlrt.open(spec, node=node)
+    base = r.heap[0]
+    for k in range(rounds):
+        # Each node owns one line per round (single-writer), publishes it, and
+        # after the barrier observes every other node's line.
+        mine = base + (k * nodes + node) * 64
+        r.store(mine, struct.pack("<QQ", node, k) * 4)
+        r.persist(mine, 64)
+        barrier.wait()
+        for other in range(nodes):
+            off = base + (k * nodes + other) * 64
+            r.flush(off, 64)
+            got = r.load(off, 64)
+            assert got == struct.pack("<QQ", other, k) * 4, (node, other, k, got)
+    r.close()
+    return node
+
+
+def test_single_writer_lines_across_processes(backend):
+    nodes, rounds = 3, 50
+    backend.create(nodes=nodes).close()
+    barrier = _CTX.Barrier(nodes)
+    res = run_procs(_slots_writer, [(backend.spec(), n, nodes, barrier, rounds)
+                                    for n in range(nodes)])
+    assert raise_failures(res) == list(range(nodes))
+
+
+def _locked_counter(spec, node, lockfile, iters):
+    r = cxlrt.open(spec, node=node)
+    off = r.heap[0]
+    for _ in range(iters):
+        with host_lock(lockfile):
+            r.flush(off, 8)           # observe
+            v = r.load64(off)
+            r.store64(off, v + 1)
+            r.persist(off, 8)         # publish before the lock is released
+    stats = r.stats()
+    r.close()
+    return stats
+
+
+@pytest.mark.parametrize("procs_per_node", [1, 2])
+def test_correct_protocol_counts_exactly_across_processes(backend, procs_per_node):
+    nodes, iters = 3, 400
+    r0 = backend.create(nodes=nodes)
+    lockfile = backend.path + ".lock"
+    args = [(backend.spec(), n, lockfile, iters) for n in range(nodes)
+            for _ in range(procs_per_node)]
+    stats = raise_failures(run_procs(_locked_counter, args))
+    r0.flush(r0.heap[0], 8)
+    assert r0.load64(r0.heap[0]) == nodes * procs_per_node * iters
+    if backend.faulty:
+        # The faults were really injected: this passing means the protocol held.
+        assert sum(s["evictions"] for s in stats) > 0
+    r0.close()

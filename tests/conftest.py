@@ -1,0 +1,128 @@
+"""Shared fixtures: one `backend` fixture parametrised over every available backend.
+
+Every algorithm test takes `backend` and runs unchanged on each of:
+  file          the coherent shared file mapping
+  emu           the non-coherent emulation, faults off
+  emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
+The emulation never skips. `--backend NAME` narrows the set; `--cxl-seed N`
+replays a faulty run (the seed is in the test id and in every failure report).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+import cxlrt
+from cxlrt import registry
+
+DEFAULT_SEED = 1
+FAULTY = "evict=0.05&delay=1&check=1"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", action="append", default=[],
+                     help="run only these backend variants (file, emu, emu-faulty); repeatable")
+    parser.addoption("--cxl-seed", type=int, default=None,
+                     help=f"fault-injection seed for emu-faulty (default {DEFAULT_SEED})")
+
+
+@dataclass
+class BackendCase:
+    """A backend variant under test: how to build a spec for a fresh region."""
+
+    name: str
+    scheme: str
+    params: str
+    seed: int | None
+    root: str = ""
+
+    @property
+    def faulty(self) -> bool:
+        return "evict" in self.params
+
+    @property
+    def coherent(self) -> bool:
+        return self.scheme == "file"
+
+    def spec(self, extra: str = "") -> str:
+        q = "&".join(p for p in (self.params, extra) if p)
+        return f"{self.scheme}:{self.path}" + (f"?{q}" if q else "")
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, "region")
+
+    def create(self, *, size="4M", nodes=4, node=0) -> cxlrt.Region:
+        return cxlrt.open(self.spec(), node=node, create=True, size=size, nodes=nodes)
+
+    def open(self, node: int) -> cxlrt.Region:
+        return cxlrt.open(self.spec(), node=node)
+
+
+def _variants(config) -> list[tuple[str, str, str, int | None]]:
+    seed = config.getoption("--cxl-seed")
+    seed = DEFAULT_SEED if seed is None else seed
+    out = []
+    avail = registry.available()
+    if "file" in avail:
+        out.append(("file", "file", "", None))
+    out.append(("emu", "emu", "", None))
+    out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
+    wanted = config.getoption("--backend")
+    if wanted:
+        out = [v for v in out if any(v[0] == w or v[0].startswith(w + "-seed") for w in wanted)]
+    return out
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        vs = _variants(metafunc.config)
+        if "emu_only" in metafunc.fixturenames:
+            vs = [v for v in vs if v[1] == "emu"]
+        metafunc.parametrize("backend", vs, ids=[v[0] for v in vs], indirect=True)
+
+
+@pytest.fixture
+def emu_only():
+    """Marks a test whose subject is the emulation itself (skips `file`)."""
+
+
+@pytest.fixture
+def backend(request):
+    name, scheme, params, seed = request.param
+    root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
+                        f"cxlrt-test-{uuid.uuid4().hex[:12]}")
+    os.makedirs(root, mode=0o700)
+    request.node.cxl_seed = seed
+    request.node.cxl_backend = name
+    try:
+        yield BackendCase(name, scheme, params, seed, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def region_dir():
+    """A private tmpfs folder for tests that build their own specs."""
+    root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
+                        f"cxlrt-test-{uuid.uuid4().hex[:12]}")
+    os.makedirs(root, mode=0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "cxl_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(
+            ("cxlrt fault seed",
+             f"backend {item.cxl_backend} ran with seed {seed}; replay with "
+             f"--cxl-seed={seed} --backend=emu-faulty"))
+    return report

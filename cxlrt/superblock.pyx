@@ -113,8 +113,12 @@ def unpack(bytes raw, unsigned long long medium_size, str where):
                               "superblock (truncated file?)")
     memcpy(&sb, <const char*>raw, sizeof(sb))
     if sb.magic != MAGIC:
-        hint = ("all zero: formatting never finished, or the file was never formatted"
-                if raw[:SB_BYTES].count(0) == SB_BYTES else "foreign or corrupt data")
+        if raw[:SB_BYTES].count(0) == SB_BYTES:
+            hint = "all zero: never formatted, or formatting never finished"
+        elif sb.magic == 0:
+            hint = "no magic yet: formatting never finished"
+        else:
+            hint = "foreign or corrupt data"
         raise NotARegionError(f"{where} is not a cxlrt region: bad magic 0x{sb.magic:016x} "
                               f"({hint}); format it with `cxlrt format`")
     if sb.version != CXL_LAYOUT_VERSION:

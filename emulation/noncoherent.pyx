@@ -427,7 +427,7 @@ _VIOLATIONS = {
     EMU_V_DMA_READ_DIRTY: "dma-read-dirty",
 }
 
-_instances = 0
+_instances = {}
 
 
 cdef class EmuBackend(Backend):
@@ -451,7 +451,6 @@ cdef class EmuBackend(Backend):
             raise MemoryError()
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
-        global _instances
         cdef emu_ctx* c = self.c
         self.scheme = "emu"
         self.path = path
@@ -461,10 +460,11 @@ cdef class EmuBackend(Backend):
         c.medium = self.mapping.base
         c.size = size
         c.node = node
-        # One stream per (seed, node, Region opened in this process), so a run
-        # replays from its seed as far as the scheduler allows.
-        _instances += 1
-        c.rng = _sidecar.mix_seed(params["seed"], node, _instances)
+        # One stream per (seed, node, how often this process opened that node of
+        # that file), so a test replays from its seed whatever ran before it.
+        key = (path, node)
+        _instances[key] = _instances.get(key, 0) + 1
+        c.rng = _sidecar.mix_seed(params["seed"], node, _instances[key])
         c.evict_threshold = _sidecar.probability_threshold(params["evict"])
         c.delay = params["delay"]
         c.check = params["check"]

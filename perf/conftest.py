@@ -82,6 +82,25 @@ def regions() -> Iterator[Callable[[str], cxlrt.Region]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture
+def describe(benchmark) -> Callable[..., None]:
+    """``describe(group, case, baseline=None, **info)``: name a benchmark's row.
+
+    ``case`` is a region kind (its label comes from LABELS); for the group's
+    baseline pass ``baseline="its label"`` instead. ``info`` goes into extra_info
+    (``bytes``, ``ops``, ``target``).
+    """
+
+    def describe(group: str, case: str, baseline: str | None = None, **info) -> None:
+        benchmark.group = group
+        benchmark.extra_info["label"] = baseline or LABELS[case]
+        if baseline:
+            benchmark.extra_info["baseline"] = True
+        benchmark.extra_info.update(info)
+
+    return describe
+
+
 # --- ratios -----------------------------------------------------------------------
 
 

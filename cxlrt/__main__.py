@@ -1,0 +1,5 @@
+import sys
+
+from cxlrt.cli import main
+
+sys.exit(main())

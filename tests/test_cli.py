@@ -1,0 +1,70 @@
+"""The `cxlrt` command as a newcomer meets it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def cxlrt(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "cxlrt", *args], capture_output=True, text=True,
+                       timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"cxlrt {' '.join(args)} exited {p.returncode}:\n{p.stderr}")
+    return p
+
+
+@pytest.mark.parametrize("cmd", [[], ["format"], ["info"], ["demo"]])
+def test_help(cmd):
+    p = cxlrt(*cmd, "--help")
+    assert "usage: cxlrt" in p.stdout
+    assert "emu:" in p.stdout or cmd == ["demo"]
+
+
+def test_format_then_info(region_dir):
+    spec = f"emu:{region_dir}/rack"
+    p = cxlrt("format", spec, "--size", "8M", "--nodes", "4")
+    assert "8.0 MiB, 4 nodes" in p.stdout
+    human = cxlrt("info", spec).stdout
+    assert "nodes    4" in human and "section  heap" in human
+    info = json.loads(cxlrt("info", spec, "--json").stdout)
+    assert (info["size"], info["nodes"]) == (8 << 20, 4)
+    assert info["sections"]["heap"][0] > 0
+
+
+@pytest.mark.parametrize("args,msg,code", [
+    (["info", "file:/nonexistent/x"], "cxlrt format", 2),
+    (["info", "tape:/x"], "unknown region scheme", 2),
+    (["format", "emu:/dev/shm/x?evict=7", "--size", "1M", "--nodes", "2"], "evict=", 2),
+    (["format", "file:/dev/shm/cxlrt-tiny-never", "--size", "4K", "--nodes", "2"],
+     "too small", 2),
+])
+def test_errors_are_one_line_not_tracebacks(args, msg, code):
+    p = cxlrt(*args, check=False)
+    assert p.returncode == code
+    assert msg in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_info_on_corrupt_region_exits_1(region_dir):
+    path = f"{region_dir}/junk"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 16))
+    p = cxlrt("info", f"file:{path}", check=False)
+    assert p.returncode == 1
+    assert "not a cxlrt region" in p.stderr
+
+
+def test_demo_shows_the_checker_catching_a_missing_flush(region_dir):
+    p = cxlrt("demo", "--nodes", "3", "--iters", "500", "--path", f"{region_dir}/rack",
+              "--json")
+    report = json.loads(p.stdout)
+    assert report["ok"] is True
+    assert report["correct"]["final"] == report["correct"]["expected"] == 1500
+    assert report["correct"]["injected_writebacks"] > 0
+    assert report["broken"]["violations"] or report["broken"]["lost"] > 0
+    assert not os.path.exists(f"{region_dir}/rack")  # cleaned up unless --keep

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -82,23 +84,55 @@ def regions() -> Iterator[Callable[[str], cxlrt.Region]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def describe(benchmark) -> Callable[..., None]:
-    """``describe(group, case, baseline=None, **info)``: name a benchmark's row.
+class Bench:
+    """The one harness every benchmark goes through: name the row, then time it.
 
-    ``case`` is a region kind (its label comes from LABELS); for the group's
-    baseline pass ``baseline="its label"`` instead. ``info`` goes into extra_info
-    (``bytes``, ``ops``, ``target``).
+    ``describe(group, case, baseline=None, **info)`` names the row: ``case`` is
+    a region kind (labelled from LABELS); the group's baseline row passes
+    ``baseline="its label"`` instead. ``info`` goes into extra_info (``bytes``,
+    ``ops``, ``target``).
+
+    ``run(fn, rounds=, warmup=, paired=None)`` times ``fn`` with
+    ``benchmark.pedantic`` and returns its last result, for the caller to check.
+    With ``paired=(label, baseline_fn)`` the baseline is also run, and timed
+    here, just before every round: each round then has a partner measured a few
+    milliseconds apart, and the ratio is taken per round, which cancels the
+    slow drift of a shared machine that separate baseline rows cannot.
     """
 
-    def describe(group: str, case: str, baseline: str | None = None, **info) -> None:
-        benchmark.group = group
-        benchmark.extra_info["label"] = baseline or LABELS[case]
-        if baseline:
-            benchmark.extra_info["baseline"] = True
-        benchmark.extra_info.update(info)
+    def __init__(self, benchmark):
+        self.benchmark = benchmark
+        self.extra_info = benchmark.extra_info
 
-    return describe
+    def describe(self, group: str, case: str, baseline: str | None = None, **info) -> None:
+        self.benchmark.group = group
+        self.extra_info["label"] = baseline or LABELS[case]
+        if baseline:
+            self.extra_info["baseline"] = True
+        self.extra_info.update({k: v for k, v in info.items() if v is not None})
+
+    def run(self, fn: Callable[[], object], *, rounds: int, warmup: int,
+            paired: tuple[str, Callable[[], object]] | None = None) -> object:
+        if paired is None:
+            return self.benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup)
+        label, baseline_fn = paired
+        times: list[float] = []
+
+        def setup() -> None:  # untimed by pytest-benchmark: we time it
+            t0 = time.perf_counter()
+            baseline_fn()
+            times.append(time.perf_counter() - t0)
+
+        result = self.benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=warmup)
+        self.extra_info["paired_label"] = label
+        self.extra_info["paired_baseline_s"] = times[warmup:]  # one per timed round
+        return result
+
+
+@pytest.fixture
+def bench(benchmark) -> Bench:
+    """The harness around pytest-benchmark's ``benchmark`` (see :class:`Bench`)."""
+    return Bench(benchmark)
 
 
 # --- ratios -----------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """perf/ harness: scratch regions, and every benchmark's ratio to its group's baseline.
 
-Machines are noisy, so no benchmark asserts a time. Each group instead holds one
-baseline measured in the same run, and each row is reported relative to it.
-A benchmark describes itself in ``benchmark.extra_info``:
+Machines are noisy, so no benchmark asserts a time. Each group holds one
+baseline row measured in the same run, and every other row is reported relative
+to it. Rows go through :class:`Bench` (fixture ``bench``), which fills
+``benchmark.extra_info``:
 
 ``label``
     what the row is, as printed (``"file"``, ``"numpy copy"``).
@@ -16,12 +17,25 @@ A benchmark describes itself in ``benchmark.extra_info``:
     four times the baseline's cost; ns/op is reported too.
 ``target``
     optional ``{"min_ratio": x}`` or ``{"max_ns_per_op": y}``; reported, never asserted.
+``paired_label``, ``paired_baseline_s``
+    the baseline re-run just before each timed round (see :meth:`Bench.run`).
 
-Before pytest-benchmark writes ``--benchmark-json`` this file adds ``ratio``,
-``ratio_median``, ``gb_per_s``/``ns_per_op`` (+ ``_median``) and ``target_met``
-to each row's ``extra_info``; the terminal summary prints one line per row.
-Ratios use the minimum over rounds (the least disturbed run); the median is
-given next to it.
+Before pytest-benchmark writes ``--benchmark-json`` this file adds to each row:
+
+``ratio``
+    the headline: for paired rows the median over rounds of the per-round ratio;
+    otherwise ``ratio_row``.
+``ratio_row``, ``ratio_row_median``
+    min/min and median/median against the group's baseline row, which ran
+    seconds earlier or later; on a shared machine they drift by +-15 %.
+``ratio_paired_min``
+    min over rounds of the paired baseline against the row's min.
+``gb_per_s``, ``ns_per_op`` (and ``_median``)
+    from the row's min (median) round.
+``target_met``
+    the target verdict.
+
+The terminal summary prints one line per row.
 """
 
 from __future__ import annotations
@@ -160,6 +174,11 @@ def _groups(rows: list) -> dict[str, list]:
     return dict(sorted(out.items()))
 
 
+def _ratio(info: dict, base_s: float, row_s: float) -> float:
+    """Throughput rows: base/row (higher is better). Cost rows: row/base (lower is better)."""
+    return base_s / row_s if "bytes" in info else row_s / base_s
+
+
 def _annotate(rows: list) -> None:
     """Add ratios, rates and target verdicts to each row's extra_info."""
     for members in _groups(rows).values():
@@ -173,12 +192,14 @@ def _annotate(rows: list) -> None:
                 info["ns_per_op"] = st.min / info["ops"] * 1e9
                 info["ns_per_op_median"] = st.median / info["ops"] * 1e9
             if base is not None and row is not base:
-                if "bytes" in info:  # throughput: higher is better
-                    info["ratio"] = base.stats.min / st.min
-                    info["ratio_median"] = base.stats.median / st.median
-                else:  # cost: lower is better
-                    info["ratio"] = st.min / base.stats.min
-                    info["ratio_median"] = st.median / base.stats.median
+                info["ratio_row"] = _ratio(info, base.stats.min, st.min)
+                info["ratio_row_median"] = _ratio(info, base.stats.median, st.median)
+                info["ratio"] = info["ratio_row"]
+            paired = info.get("paired_baseline_s")
+            if paired and len(paired) == len(st.data):
+                per_round = [_ratio(info, b, t) for b, t in zip(paired, st.data, strict=True)]
+                info["ratio"] = statistics.median(per_round)
+                info["ratio_paired_min"] = _ratio(info, min(paired), st.min)
             target = info.get("target") or {}
             if "min_ratio" in target and "ratio" in info:
                 info["target_met"] = info["ratio"] >= target["min_ratio"]
@@ -196,12 +217,17 @@ def pytest_sessionfinish(session: pytest.Session):
 def _line(group: str, row, base) -> str:
     info = row.extra_info
     head = f"{group} {info.get('label', row.name)}: "
+    kind = "throughput" if "bytes" in info else "time"
     if row is base:
         text = "baseline"
+    elif "paired_label" in info and "ratio" in info:
+        text = f"{info['ratio']:.2f}x {info['paired_label']} {kind} (paired rounds"
+        if "ratio_row" in info:
+            text += f"; {info['ratio_row']:.2f}x the baseline row"
+        text += ")"
     elif "ratio" in info:
-        kind = "throughput" if "bytes" in info else "time"
-        base_label = base.extra_info.get("label", base.name)
-        text = f"{info['ratio']:.2f}x {base_label} {kind} (median {info['ratio_median']:.2f}x)"
+        text = (f"{info['ratio']:.2f}x {base.extra_info.get('label', base.name)} {kind} "
+                f"(median {info['ratio_row_median']:.2f}x)")
     else:
         text = "no baseline in this run"
     if "gb_per_s" in info:
@@ -221,7 +247,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     rows = config.stash.get(_ROWS, [])
     if not rows:
         return
-    terminalreporter.section("cxlrt: ratio to each group's baseline (min of rounds)")
+    terminalreporter.section("cxlrt: ratios to each group's baseline")
     for group, members in _groups(rows).items():
         base = next((r for r in members if r.extra_info.get("baseline")), None)
         for row in members:

@@ -10,8 +10,9 @@ Groups:
     ``local_load`` (volatile load from private memory).
 
 Rows: ``file:``, ``emu:`` with every fault and the checker off, and ``emu:``
-with ``check=1`` for information. ns/op is per iteration of the loop (the whole
-step). Target: ``emu:`` with the checker off under 250 ns/op.
+with ``check=1`` for information; each of their rounds is paired with a
+baseline loop run just before it. ns/op is per loop iteration (the whole step).
+Target: ``emu:`` with the checker off under 250 ns/op.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ VALUE = 7  # what load_after_flush reads back N times
 TARGET = {"max_ns_per_op": 250}
 CASES = ["local", "file", "emu", "emu-check"]
 
+STORE_BASELINE = ("local store+fence", partial(microbench.local_store_fence, N))
+LOAD_BASELINE = ("local load", partial(microbench.local_load, N))
 
-def _info(case: str, baseline: str) -> dict:
-    info = {"ops": N, "target": TARGET if case == "emu" else None}
-    if case == "local":
-        info["baseline"] = baseline
-    return info
+
+def _describe(bench, group: str, case: str, baseline: tuple) -> None:
+    bench.describe(group, case, baseline=baseline[0] if case == "local" else None,
+                   ops=N, target=TARGET if case == "emu" else None)
 
 
 def _word(region, off: int) -> int:
@@ -43,28 +45,26 @@ def _word(region, off: int) -> int:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_store_flush_fence(benchmark, describe, regions, case):
-    describe("store_flush_fence", case, **_info(case, "local store+fence"))
+def test_store_flush_fence(bench, regions, case):
+    _describe(bench, "store_flush_fence", case, STORE_BASELINE)
     if case == "local":
-        result = benchmark.pedantic(partial(microbench.local_store_fence, N), rounds=ROUNDS,
-                                    warmup_rounds=WARMUP)
+        result = bench.run(STORE_BASELINE[1], rounds=ROUNDS, warmup=WARMUP)
         assert result == N  # the last value stored, loaded back
         return
     region = regions(case)
     off = region.heap[0]
     region.dma_write(off, bytes(8))
-    result = benchmark.pedantic(partial(microbench.store_flush_fence, region, off, N),
-                                rounds=ROUNDS, warmup_rounds=WARMUP)
+    result = bench.run(partial(microbench.store_flush_fence, region, off, N), rounds=ROUNDS,
+                       warmup=WARMUP, paired=STORE_BASELINE)
     assert result == N
     assert _word(region, off) == N  # the last store reached the medium: it was published
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_load_after_flush(benchmark, describe, regions, case):
-    describe("load_after_flush", case, **_info(case, "local load"))
+def test_load_after_flush(bench, regions, case):
+    _describe(bench, "load_after_flush", case, LOAD_BASELINE)
     if case == "local":
-        result = benchmark.pedantic(partial(microbench.local_load, N), rounds=ROUNDS,
-                                    warmup_rounds=WARMUP)
+        result = bench.run(LOAD_BASELINE[1], rounds=ROUNDS, warmup=WARMUP)
         assert result == 3 * N  # local_load's word holds 3
         return
     region = regions(case)
@@ -72,6 +72,6 @@ def test_load_after_flush(benchmark, describe, regions, case):
     region.store64(off, VALUE)
     region.persist(off, 8)
     assert _word(region, off) == VALUE
-    result = benchmark.pedantic(partial(microbench.load_after_flush, region, off, N),
-                                rounds=ROUNDS, warmup_rounds=WARMUP)
+    result = bench.run(partial(microbench.load_after_flush, region, off, N), rounds=ROUNDS,
+                       warmup=WARMUP, paired=LOAD_BASELINE)
     assert result == VALUE * N  # every load saw the published value

@@ -1,0 +1,9 @@
+import mmap
+
+class Mapping:
+    path: str
+    mm: mmap.mmap
+    size: int
+    def __init__(self, path: str, size: int) -> None: ...
+    def close(self) -> None: ...
+    def view(self, off: int, n: int) -> memoryview: ...

@@ -3,6 +3,7 @@
 Environment knobs (pip cannot pass build_ext flags through PEP 517 easily):
   CXLRT_DEBUG=1|2   compile with CXLRT_DEBUG (asserts, counters) and CYTHON_TRACE_NOGIL
   CXLRT_ANNOTATE=1  write Cython's HTML annotation next to each .pyx
+  CXLRT_ONLY=a,b    build only these extensions (developer convenience)
 """
 
 import os
@@ -60,7 +61,10 @@ def _extensions():
     # cxlrt.backends.file. Cythonize by path, then install under the real name
     # (the init symbol, PyInit_file, depends only on the last component).
     out = []
+    only = set(filter(None, os.environ.get("CXLRT_ONLY", "").split(",")))
     for name, src in MODULES:
+        if only and name not in only:
+            continue
         (ext,) = cythonize(
             [Extension(src[:-4].replace("/", "."), [src], include_dirs=INCLUDE,
                        define_macros=MACROS, extra_compile_args=CFLAGS)],
@@ -85,5 +89,6 @@ setup(
         "cxlrt.emulation": ["*.pxd", "*.pyi"],
     },
     ext_modules=_extensions(),
+    options={"build_ext": {"parallel": os.cpu_count() or 1}},
     zip_safe=False,
 )

@@ -107,12 +107,9 @@ cdef class FileBackend(Backend):
         """Nothing per node to set up: the medium is coherent."""
 
     cpdef close(self):
-        if self.mapping is not None:
-            self.mapping.close()  # raises while views are alive; we stay open then
-            self.mapping = None
+        self.mapping.close()  # raises while views are alive; we stay open then
         self.reg.closed = 1
-        self.reg.base = NULL
-        self.reg.ctx = NULL
+        # base stays addressable (retired, anonymous) until the Mapping is freed.
 
     def view(self, unsigned long long off, unsigned long long n):
         return self.mapping.view(off, n)

@@ -5,9 +5,19 @@ Open a region with :func:`cxlrt.open`; see README.md for the memory model.
 
 from cxlrt.api import format, inspect, open
 from cxlrt.caps import Caps
-from cxlrt.errors import (ChecksumError, CoherenceError, CxlrtError, LayoutVersionError,
-                          NodeRangeError, NotARegionError, OutOfRangeError, RegionClosedError,
-                          RegionError, RegionSizeError, UnsupportedError)
+from cxlrt.errors import (
+                          ChecksumError,
+                          CoherenceError,
+                          CxlrtError,
+                          LayoutVersionError,
+                          NodeRangeError,
+                          NotARegionError,
+                          OutOfRangeError,
+                          RegionClosedError,
+                          RegionError,
+                          RegionSizeError,
+                          UnsupportedError,
+)
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 

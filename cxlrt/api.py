@@ -8,7 +8,8 @@ import struct
 import time
 from typing import Any
 
-from cxlrt import registry, superblock as _sb
+from cxlrt import registry
+from cxlrt import superblock as _sb
 from cxlrt.errors import NotARegionError, RegionError, RegionSizeError
 from cxlrt.region import Region
 from cxlrt.spec import Spec, coerce_params, parse_size, parse_spec
@@ -33,7 +34,17 @@ def _check_node(node: Any) -> int:
     return node
 
 
-def _medium_size(path: str, spec: str) -> int:
+def _medium_size(path: str, spec: str, wait: float = 0.0) -> int:
+    deadline = time.monotonic() + wait
+    # A concurrent creator sizes the file right after creating it; give it time.
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            break
+        if st.st_size >= _sb.PAGE or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -116,14 +127,15 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
         created = _create_file(s.path, size, exclusive=True)
     elif size is not None:
         size = parse_size(size)
-    medium = _medium_size(s.path, str(s))
+    medium = _medium_size(s.path, str(s), wait=CREATE_WAIT_S if create and not created else 0)
     backend = cls(s.path, params, node, medium)
     region = Region(backend, str(s))
     try:
         if created:
             region._format(nodes, _sb.new_uuid())
         else:
-            region._attach(size, nodes, CREATE_WAIT_S if (create and wait is None) else (wait or 0.0))
+            patience = CREATE_WAIT_S if (create and wait is None) else (wait or 0.0)
+            region._attach(size, nodes, patience)
     except BaseException:
         backend.close()
         if created:

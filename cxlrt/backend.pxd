@@ -100,7 +100,7 @@ cdef inline int cxl_check_range(const cxl_region* r, uint64_t off, uint64_t n) n
 
 cdef inline int cxl_load64(const cxl_region* r, uint64_t off, uint64_t* out) noexcept nogil:
     """Load one aligned 8-byte word through this node's view."""
-    if unlikely(r.closed or (off & 7) or off > r.size - 8):
+    if unlikely(r.closed or (off & 7) or r.size < 8 or off > r.size - 8):
         return CXLRT_E_CLOSED if r.closed else CXLRT_E_RANGE
     if likely(r.flags & CXL_F_DIRECT):
         out[0] = cxl_load64_volatile(r.base + off)
@@ -110,7 +110,7 @@ cdef inline int cxl_load64(const cxl_region* r, uint64_t off, uint64_t* out) noe
 
 cdef inline int cxl_store64(const cxl_region* r, uint64_t off, uint64_t v) noexcept nogil:
     """Store one aligned 8-byte word into this node's view (not yet published)."""
-    if unlikely(r.closed or (off & 7) or off > r.size - 8):
+    if unlikely(r.closed or (off & 7) or r.size < 8 or off > r.size - 8):
         return CXLRT_E_CLOSED if r.closed else CXLRT_E_RANGE
     if likely(r.flags & CXL_F_DIRECT):
         cxl_store64_volatile(r.base + off, v)

@@ -15,7 +15,6 @@ import os
 import queue
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import cxlrt
@@ -110,7 +109,8 @@ def run(*, nodes: int = 4, iters: int = 20000, seed: int = 7, evict: float = 0.0
         out(f"[1/2] correct protocol: {nodes} x {iters} increments under a lock, "
             "observe before load, publish before unlock")
         good = _run_phase(spec, nodes, iters, True, lockfile, "correct", show)
-        verdict = "exact" if good["final"] == good["expected"] and not good["violations"] else "WRONG"
+        exact = good["final"] == good["expected"] and not good["violations"]
+        verdict = "exact" if exact else "WRONG"
         out(f"  counter = {good['final']} (expected {good['expected']}): {verdict}; "
             f"{good['injected_writebacks']} spontaneous write-backs injected, "
             f"{len(good['violations'])} violations")

@@ -3,10 +3,10 @@
 
 cdef class Mapping:
     cdef readonly str path      # file the mapping came from
-    cdef readonly object mm     # the mmap.mmap object that owns the pages
-    cdef char* base             # first mapped byte, valid until close()
+    cdef char* base             # first mapped byte; stays addressable until dealloc
     cdef readonly unsigned long long size  # mapped bytes
-    cdef Py_buffer _buf         # keeps base valid while we hold it
-    cdef bint _held             # _buf acquired
+    cdef readonly bint closed   # close() ran: the file is no longer mapped
+    cdef Py_ssize_t _exports    # buffers handed out and not yet released
+    cdef Py_ssize_t _shape[1]   # for the buffer protocol
 
     cpdef close(self)

@@ -102,7 +102,7 @@ cdef class Region:
         area = self.node_area(self.r.node)
         if attach:
             self.flush(area + 16, 8)  # observe before the read-modify-write
-            self.store64(area + 16, self.load64(area + 16) + 1)
+            self.store64(area + 16, (self.load64(area + 16) + 1) & 0xFFFFFFFFFFFFFFFF)
             self.store64(area + 24, _sb.host_id())
         self.store64(area, os.getpid())
         self.store64(area + 8, time.time_ns())

@@ -6,8 +6,9 @@ Examples: ``file:/dev/shm/rack0``, ``emu:/dev/shm/rack0?seed=7&evict=0.01&check=
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)

@@ -146,8 +146,17 @@ def unpack(bytes raw, unsigned long long medium_size, str where):
             raise RegionError(f"{where}: section {SECTION_NAMES[i]} [{off}, {off + n}) lies "
                               f"outside the region of {sb.size} bytes")
         sections[SECTION_NAMES[i]] = (off, n)
-    if sections["nodes"][1] < sb.nodes * NODE_AREA:
-        raise RegionError(f"{where}: node section too small for {sb.nodes} nodes")
+    nodes_off, nodes_len = sections["nodes"]
+    heap_off, heap_len = sections["heap"]
+    if any(off % PAGE for off, _ in sections.values()):
+        raise RegionError(f"{where}: a section does not start on a {PAGE}-byte boundary")
+    if nodes_len != sb.nodes * NODE_AREA:
+        raise RegionError(f"{where}: node section holds {nodes_len} bytes, expected "
+                          f"{sb.nodes * NODE_AREA} for {sb.nodes} nodes")
+    if heap_off < nodes_off + nodes_len or heap_off + heap_len != sb.size \
+            or heap_len < CXL_MIN_HEAP:
+        raise RegionError(f"{where}: heap [{heap_off}, {heap_off + heap_len}) overlaps the "
+                          f"node areas or does not run to the end of the region")
     return {"version": sb.version, "size": sb.size, "nodes": sb.nodes, "uuid": sb.uuid,
             "created_ns": sb.created_ns, "sections": sections}
 

@@ -3,8 +3,8 @@
 # Invariants:
 #  - Node n's cache lives in the sidecar file, so every process that attaches as
 #    node n shares it (a node's processes are coherent with each other, as on
-#    real hardware). Each cache set has a host-local spinlock whose word holds
-#    the holder's thread id, so a holder that died can be detected and skipped.
+#    real hardware). Each cache set has a robust process-shared mutex, so a
+#    process killed inside an emulated access never wedges its node.
 #  - A tag is 0 (empty) or (line + 1) << 2 | state, state EMU_CLEAN or EMU_DIRTY.
 #  - Only write-backs (flush, capacity victim, injected eviction, delayed flush at
 #    fence) move cached bytes to the medium, and always a whole line.
@@ -12,6 +12,7 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport Backend
+from cxlrt.includes.mutex cimport pthread_mutex_t
 from cxlrt.mapping cimport Mapping
 
 
@@ -32,9 +33,8 @@ cdef enum:
     EMU_V_DMA_READ_DIRTY = 5  # a DMA read of a line some node holds dirty
 
 
-ctypedef struct emu_set_meta:
-    uint32_t lock    # 0 free, else holder thread id
-    uint32_t victim  # round-robin replacement pointer
+cdef enum:
+    EMU_META_BYTES = 64     # per set: pthread mutex, then the u32 victim pointer
 
 
 ctypedef struct emu_stats:
@@ -46,6 +46,7 @@ ctypedef struct emu_stats:
     uint64_t evictions     # injected spontaneous write-backs
     uint64_t delayed       # flushes deferred to the next fence
     uint64_t violations    # checker errors raised
+    uint64_t recovered     # set locks taken over from a dead holder
 
 
 ctypedef struct emu_ctx:
@@ -55,7 +56,8 @@ ctypedef struct emu_ctx:
     uint32_t nodes            # nodes sharing the sidecar
     uint32_t ways             # associativity
     uint64_t sets             # sets per node (power of two)
-    emu_set_meta* meta        # this node's set locks
+    char* meta                # this node's set metadata, EMU_META_BYTES a set
+    uint32_t victim_off       # offset of the victim pointer in a set's metadata
     uint64_t* tags            # this node's tags [sets * ways]
     char* data                # this node's lines [sets * ways * 64]
     uint64_t** peer_tags      # every node's tags, for the checker's peeks
@@ -65,6 +67,7 @@ ctypedef struct emu_ctx:
     uint32_t check            # raise on violations
     uint64_t lat_ns           # modelled device latency per line transfer
     double bytes_per_ns       # modelled DMA bandwidth (GB/s), 0 = unlimited
+    pthread_mutex_t pending_lock  # guards pending[] between this process's threads
     uint64_t pending[EMU_PENDING_MAX]  # lines awaiting a delayed write-back
     uint32_t npending
     uint64_t recent[EMU_RECENT]  # line + 1 of recently dirtied lines

@@ -17,47 +17,46 @@ from libc.string cimport memcmp, memcpy
 
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS,
                             CXLRT_E_COHERENCE, cxl_ops)
-from cxlrt.includes.intrin cimport (cxl_atomic_cas_acq32, cxl_atomic_load_acquire32,
-                                    cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
-                                    cxl_atomic_store_release32, cxl_cpu_relax, cxl_fence_full,
-                                    cxl_spin_ns, cxl_thread_id, likely, unlikely)
+from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
+                                    cxl_fence_full, cxl_spin_ns, likely, unlikely)
+from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
+                                   pthread_mutex_t)
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.emulation import sidecar as _sidecar
 
-cdef extern from "<signal.h>" nogil:
-    int kill(int pid, int sig)
+cdef extern from *:
+    """
+    /* Dekker-style publish of a tag: the store must be globally visible before
+     * the checker's peeks at other nodes' tags (paired with the same sequence in
+     * the other node's emu_store), so two concurrent stores cannot both miss. */
+    static inline void emu_store_tag_seqcst(uint64_t *p, uint64_t v)
+    {
+        __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    }
+    """
+    void emu_store_tag_seqcst(uint64_t* p, uint64_t v) nogil
 
-cdef extern from "<errno.h>" nogil:
-    int errno
-    int ESRCH
 
 # --- per-set lock -------------------------------------------------------------
 
 cdef inline void _set_lock(emu_ctx* c, uint64_t s) noexcept nogil:
-    """Take set s of this node; steal it from a holder thread that no longer exists."""
-    cdef uint32_t me = cxl_thread_id()
-    cdef uint32_t* w = &c.meta[s].lock
-    cdef uint64_t spins = 0
-    cdef uint32_t holder
-    while True:
-        # Acquire pairs with the release in _set_unlock: the holder's line
-        # updates are visible once we own the set.
-        if cxl_atomic_cas_acq32(w, 0, me):
-            return
-        spins += 1
-        if unlikely(spins >= (1 << 20)):
-            spins = 0
-            holder = cxl_atomic_load_acquire32(w)
-            if holder != 0 and kill(<int>holder, 0) != 0 and errno == ESRCH:
-                if cxl_atomic_cas_acq32(w, holder, me):
-                    return
-        cxl_cpu_relax()
+    """Take set s of this node (robust: a holder killed mid-access is recovered)."""
+    cdef int rc = cxl_mutex_lock(<pthread_mutex_t*>(c.meta + s * EMU_META_BYTES))
+    if unlikely(rc == 1):
+        # The dead holder may have left one line half-copied; the line is this
+        # node's private copy, so the damage is what a crash mid-store would do.
+        c.st.recovered += 1
 
 
 cdef inline void _set_unlock(emu_ctx* c, uint64_t s) noexcept nogil:
-    """Release set s; pairs with the acquire in _set_lock."""
-    cxl_atomic_store_release32(&c.meta[s].lock, 0)
+    """Release set s."""
+    cxl_mutex_unlock(<pthread_mutex_t*>(c.meta + s * EMU_META_BYTES))
+
+
+cdef inline uint32_t* _victim(emu_ctx* c, uint64_t s) noexcept nogil:
+    return <uint32_t*>(c.meta + s * EMU_META_BYTES + c.victim_off)
 
 
 # --- lines ----------------------------------------------------------------------
@@ -87,6 +86,9 @@ cdef inline void _writeback(emu_ctx* c, uint64_t s, uint32_t w) noexcept nogil:
     """Copy a cached line to the medium, whole, and mark it clean. Set lock held."""
     cdef uint64_t i = s * c.ways + w
     cdef uint64_t line = (c.tags[i] >> 2) - 1
+    if unlikely(line >= (c.size >> 6)):
+        c.tags[i] = 0  # a scribbled tag names no line of ours: drop it, never write wild
+        return
     memcpy(c.medium + line * 64, c.data + i * 64, 64)
     cxl_spin_ns(c.lat_ns)
     c.tags[i] = (c.tags[i] & ~(<uint64_t>EMU_STATE_MASK)) | EMU_CLEAN
@@ -102,8 +104,8 @@ cdef inline int _fill(emu_ctx* c, uint64_t s, uint64_t line) noexcept nogil:
             way = <int>w
             break
     if way < 0:
-        way = <int>(c.meta[s].victim % c.ways)
-        c.meta[s].victim = (c.meta[s].victim + 1) % c.ways
+        way = <int>(_victim(c, s)[0] % c.ways)
+        _victim(c, s)[0] = (<uint32_t>way + 1) % c.ways
         if (t[way] & EMU_STATE_MASK) == EMU_DIRTY:
             _writeback(c, s, way)
             c.st.capacity_wb += 1
@@ -187,12 +189,20 @@ cdef inline int _flush_line(emu_ctx* c, uint64_t line) noexcept nogil:
     return 0
 
 
-cdef inline int _drain(emu_ctx* c) noexcept nogil:
-    """Complete every delayed flush of this process."""
+cdef inline int _drain_locked(emu_ctx* c) noexcept nogil:
+    """Complete every delayed flush of this process; pending_lock held."""
     cdef uint32_t i
     for i in range(c.npending):
         _flush_line(c, c.pending[i])
     c.npending = 0
+    return 0
+
+
+cdef inline int _drain(emu_ctx* c) noexcept nogil:
+    """Complete every delayed flush of this process (any thread's: early is legal)."""
+    cxl_mutex_lock(&c.pending_lock)
+    _drain_locked(c)
+    cxl_mutex_unlock(&c.pending_lock)
     return 0
 
 
@@ -234,7 +244,7 @@ cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
 cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
     """Copy n bytes into this node's cached lines and mark them dirty."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t end = off + n, line, s, a, b, i
+    cdef uint64_t end = off + n, line, s, a, b, i, old_tag
     cdef int w, other
     cdef const char* inp = <const char*>src
     c.st.stores += 1
@@ -252,17 +262,28 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
                       and memcmp(c.data + (s * c.ways + w) * 64, c.medium + (line << 6), 64) != 0):
             _set_unlock(c, s)
             return _violation(c, EMU_V_STORE_STALE, line, -1)
-        if unlikely(c.check):
+        i = s * c.ways + w
+        old_tag = c.tags[i]
+        if (old_tag & EMU_STATE_MASK) != EMU_DIRTY:
+            if unlikely(c.check):
+                # Mark dirty first, then look at the others (Dekker): of two nodes
+                # storing at once, at least one sees the other's mark.
+                emu_store_tag_seqcst(&c.tags[i], (old_tag & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
+                other = _dirty_elsewhere(c, line)
+                if other >= 0:
+                    cxl_atomic_store_relaxed64(&c.tags[i], old_tag)
+                    _set_unlock(c, s)
+                    return _violation(c, EMU_V_DIRTY_TWO, line, other)
+            else:
+                cxl_atomic_store_relaxed64(&c.tags[i], (old_tag & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
+            c.recent[c.recent_pos % EMU_RECENT] = line + 1
+            c.recent_pos += 1
+        elif unlikely(c.check):
             other = _dirty_elsewhere(c, line)
             if other >= 0:
                 _set_unlock(c, s)
                 return _violation(c, EMU_V_DIRTY_TWO, line, other)
-        i = s * c.ways + w
         memcpy(c.data + i * 64 + a, inp, b - a)
-        if (c.tags[i] & EMU_STATE_MASK) != EMU_DIRTY:
-            cxl_atomic_store_relaxed64(&c.tags[i], (c.tags[i] & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
-            c.recent[c.recent_pos % EMU_RECENT] = line + 1
-            c.recent_pos += 1
         _set_unlock(c, s)
         inp += b - a
         off = (line << 6) + b
@@ -302,13 +323,15 @@ cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
         return emu_flush(ctx, off, n)
     if n == 0:
         return 0
+    cxl_mutex_lock(&c.pending_lock)
     while line <= last:
         if c.npending == EMU_PENDING_MAX:
-            _drain(c)   # hardware may complete queued flushes early; so may we
+            _drain_locked(c)   # hardware may complete queued flushes early; so may we
         c.pending[c.npending] = line
         c.npending += 1
         c.st.delayed += 1
         line += 1
+    cxl_mutex_unlock(&c.pending_lock)
     return 0
 
 
@@ -449,6 +472,8 @@ cdef class EmuBackend(Backend):
         self.c = <emu_ctx*>calloc(1, sizeof(emu_ctx))
         if self.c == NULL:
             raise MemoryError()
+        if cxl_mutex_init_shared(&self.c.pending_lock) != 0:
+            raise OSError("cannot initialise the delayed-flush lock")
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
         cdef emu_ctx* c = self.c
@@ -493,6 +518,7 @@ cdef class EmuBackend(Backend):
         """
         cdef emu_ctx* c = self.c
         cdef char* side
+        assert _sidecar.META_BYTES == EMU_META_BYTES
         if c.node >= <uint32_t>nodes:
             raise ValueError(f"node {c.node} >= nodes {nodes}")
         geo = _sidecar.geometry(self.c.size, self.params["cache"], self.params["ways"])
@@ -510,7 +536,8 @@ cdef class EmuBackend(Backend):
             offs = _sidecar.node_offsets(n, sets, ways)
             c.peer_tags[n] = <uint64_t*>(side + <size_t>offs["tags"])
         offs = _sidecar.node_offsets(c.node, sets, ways)
-        c.meta = <emu_set_meta*>(side + <size_t>offs["meta"])
+        c.meta = side + <size_t>offs["meta"]
+        c.victim_off = _sidecar.VICTIM_OFFSET
         c.tags = <uint64_t*>(side + <size_t>offs["tags"])
         c.data = side + <size_t>offs["data"]
         self.reg.ops = &EMU_OPS
@@ -520,15 +547,11 @@ cdef class EmuBackend(Backend):
             _drain(self.c)  # a delayed flush is still a flush the program issued
         if self.mapping is not None:
             self.mapping.close()  # raises while views are alive; we stay open then
-            self.mapping = None
         self.reg.closed = 1
         if self.sidecar is not None:
             self.sidecar.close()
-            self.sidecar = None
-        if self.c != NULL:
-            free(self.c.peer_tags)
-            self.c.peer_tags = NULL
-        self.reg.base = NULL
+        # Pointers stay valid (retired mappings, peer_tags) until __dealloc__, so a
+        # thread still inside an access finishes harmlessly.
 
     def __dealloc__(self):
         self.reg.closed = 1
@@ -547,7 +570,7 @@ cdef class EmuBackend(Backend):
         return {"loads": s.loads, "stores": s.stores, "misses": s.misses,
                 "writebacks": s.writebacks, "capacity_writebacks": s.capacity_wb,
                 "evictions": s.evictions, "delayed_flushes": s.delayed,
-                "violations": s.violations}
+                "violations": s.violations, "recovered_locks": s.recovered}
 
     def last_violation(self):
         """The last checker violation as a dict, or None."""

@@ -1,16 +1,22 @@
 """The emulation's sidecar file: every node's software cache, shared by its processes.
 
 Layout (little-endian): a 4 KiB header, then one block per node holding the set
-locks (8 bytes a set), the tags (8 bytes a way) and the cached lines (64 bytes a
-way). A sidecar is created under a temporary name and linked into place only
-when complete, so a process never maps a half-written one.
+metadata (one 64-byte line a set: a robust process-shared mutex and the victim
+pointer), the tags (8 bytes a way) and the cached lines (64 bytes a way). A
+sidecar is built under a temporary name and linked into place only when complete,
+so a process never maps a half-written one; deciding to replace a stale one is
+serialised by an flock on the region file, so every process of a region ends up
+on the same sidecar.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import tempfile
+
+from cxlrt.shm import MUTEX_BYTES, init_robust_mutexes
 
 from cxlrt.mapping import Mapping
 from cxlrt.spec import parse_bool, parse_float_range, parse_int_range, parse_size
@@ -20,6 +26,10 @@ VERSION = 1
 HEADER = struct.Struct("<QIIIIQQQ")  # magic, version, nodes, ways, pad, sets, region_size, uuid
 HEADER_BYTES = 4096
 PAGE = 4096
+META_BYTES = 64  # per set: mutex + victim pointer, one line so sets never share one
+VICTIM_OFFSET = MUTEX_BYTES  # byte offset of the u32 victim pointer in a set's line
+MAX_WAYS = 64
+assert VICTIM_OFFSET + 4 <= META_BYTES
 
 PARAMS = {
     "seed": (parse_int_range(0, 2**64 - 1), 0, "seed of the fault injector (replays a run)"),
@@ -37,9 +47,10 @@ PARAMS = {
 
 def mix_seed(seed: int, node: int, k: int) -> int:
     """A non-zero 64-bit RNG state from (seed, node, k) by splitmix64."""
-    x = (seed * 0x9E3779B97F4A7C15 + node * 0xBF58476D1CE4E5B9 + k * 0x94D049BB133111EB) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    mask = 2**64 - 1
+    x = (seed * 0x9E3779B97F4A7C15 + node * 0xBF58476D1CE4E5B9 + k * 0x94D049BB133111EB) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     x ^= x >> 31
     return x or 0x2545F4914F6CDD1D
 
@@ -63,7 +74,7 @@ def _align(n: int, a: int) -> int:
 
 def node_offsets(node: int, sets: int, ways: int) -> dict[str, int]:
     """Byte offsets of node `node`'s set locks, tags and lines in the sidecar."""
-    meta = 8 * sets
+    meta = META_BYTES * sets
     tags = _align(8 * sets * ways, 64)
     data = 64 * sets * ways
     block = _align(_align(meta, 64) + tags + data, PAGE)
@@ -76,9 +87,15 @@ def _total(nodes: int, sets: int, ways: int) -> int:
     return HEADER_BYTES + nodes * node_offsets(0, sets, ways)["block"]
 
 
+def _valid_geometry(sets: int, ways: int) -> bool:
+    return 1 <= ways <= MAX_WAYS and sets >= 1 and sets & (sets - 1) == 0 and sets < 2**40
+
+
 def read_geometry(m: Mapping) -> tuple[int, int]:
-    """(sets, ways) recorded in a mapped sidecar."""
-    _, _, _, ways, _, sets, _, _ = HEADER.unpack_from(m.mm, 0)
+    """(sets, ways) recorded in a mapped sidecar; ValueError if they are not sane."""
+    _, _, _, ways, _, sets, _, _ = HEADER.unpack_from(m, 0)
+    if not _valid_geometry(sets, ways) or _total(1, sets, ways) > m.size:
+        raise ValueError(f"emulation sidecar {m.path!r} is corrupt (sets={sets}, ways={ways})")
     return sets, ways
 
 
@@ -92,7 +109,8 @@ def _read_header(path: str):
     if len(raw) < HEADER.size:
         return None
     magic, version, nodes, ways, _, sets, rsize, uuid = HEADER.unpack(raw)
-    if magic != MAGIC or version != VERSION or size != _total(nodes, sets, ways):
+    if (magic != MAGIC or version != VERSION or not _valid_geometry(sets, ways)
+            or size != _total(nodes, sets, ways)):
         return None
     return {"nodes": nodes, "ways": ways, "sets": sets, "region_size": rsize, "uuid": uuid}
 
@@ -103,10 +121,16 @@ def _build(path: str, nodes: int, uuid: int, region_size: int, sets: int, ways: 
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
     try:
         os.fchmod(fd, 0o600)
-        os.ftruncate(fd, _total(nodes, sets, ways))  # zero-filled = empty caches, free locks
-        os.pwrite(fd, HEADER.pack(MAGIC, VERSION, nodes, ways, 0, sets, region_size, uuid), 0)
+        os.ftruncate(fd, _total(nodes, sets, ways))  # zero-filled = empty caches
     finally:
         os.close(fd)
+    m = Mapping(tmp, _total(nodes, sets, ways))
+    try:
+        for n in range(nodes):
+            init_robust_mutexes(m, node_offsets(n, sets, ways)["meta"], sets, META_BYTES)
+        HEADER.pack_into(m, 0, MAGIC, VERSION, nodes, ways, 0, sets, region_size, uuid)
+    finally:
+        m.close()
     return tmp
 
 
@@ -125,24 +149,22 @@ def attach(path: str, *, nodes: int, uuid: int, region_size: int, geometry: tupl
     fresh : bool
         The region was just formatted: replace whatever is there.
     """
-    for _ in range(8):
+    # The flock serialises read-decide-replace-map among this region's processes:
+    # nobody replaces the sidecar between another process's check and its mmap.
+    lock_fd = os.open(path[:-len(".emu")] if path.endswith(".emu") else path,
+                      os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         hdr = None if fresh else _read_header(path)
-        if hdr is not None and (hdr["uuid"], hdr["nodes"], hdr["region_size"]) == (uuid, nodes, region_size):
-            m = Mapping(path, _total(nodes, hdr["sets"], hdr["ways"]))
-            if read_geometry(m) == (hdr["sets"], hdr["ways"]):
-                return m
-            m.close()
-            continue
-        tmp = _build(path, nodes, uuid, region_size, *geometry)
-        if fresh or hdr is not None or os.path.exists(path):
-            os.replace(tmp, path)  # stale or reformatted: new caches for everyone from now on
-            fresh = False
-        else:
-            try:
-                os.link(tmp, path)  # first attach: lose gracefully to a concurrent creator
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-    raise RuntimeError(f"emulation sidecar {path!r} keeps changing under us; is another "
-                       "process reformatting the region in a loop?")
+        if hdr is None or (hdr["uuid"], hdr["nodes"], hdr["region_size"]) != (uuid, nodes,
+                                                                            region_size):
+            tmp = _build(path, nodes, uuid, region_size, *geometry)
+            os.replace(tmp, path)  # fresh, stale or missing: new caches from now on
+            hdr = _read_header(path)
+            if hdr is None:
+                raise RuntimeError(f"emulation sidecar {path!r} vanished while being created")
+        m = Mapping(path, _total(nodes, hdr["sets"], hdr["ways"]))
+        read_geometry(m)
+        return m
+    finally:
+        os.close(lock_fd)  # closing the descriptor releases the flock

@@ -60,7 +60,8 @@ def raise_failures(results) -> list:
     """Re-raise the first exception a child reported; else return the results."""
     for i, v in enumerate(results):
         if isinstance(v, BaseException):
-            raise AssertionError(f"process {i} failed:\n{getattr(v, '__cxl_traceback__', '')}") from v
+            tb = getattr(v, "__cxl_traceback__", "")
+            raise AssertionError(f"process {i} failed:\n{tb}") from v
     return results
 
 

@@ -58,7 +58,9 @@ static inline void cxl_clflushopt(const void *p)
 {
     __asm__ volatile("dc civac, %0" ::"r"(p) : "memory");
 }
-static inline void cxl_fence_full(void) { __asm__ volatile("dmb ish" ::: "memory"); }
+/* DSB, not DMB: the fence must also wait for earlier DC CIVAC to complete, so
+ * flush_nodrain + fence publishes as clflushopt + mfence does on x86. */
+static inline void cxl_fence_full(void) { __asm__ volatile("dsb ish" ::: "memory"); }
 static inline void cxl_fence_drain(void) { __asm__ volatile("dsb ish" ::: "memory"); }
 static inline void cxl_cpu_relax(void) { __asm__ volatile("yield" ::: "memory"); }
 

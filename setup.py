@@ -50,6 +50,8 @@ MODULES = [
     ("cxlrt.backend", "cxlrt/backend.pyx"),
     ("cxlrt.superblock", "cxlrt/superblock.pyx"),
     ("cxlrt.region", "cxlrt/region.pyx"),
+    ("cxlrt.nodelocal", "cxlrt/nodelocal.pyx"),
+    ("cxlrt.lock", "cxlrt/lock.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),

@@ -87,7 +87,8 @@ def _create_file(path: str, size: int, *, exclusive: bool) -> bool:
 
 
 def open(spec: str, *, node: int, create: bool = False, size: int | str | None = None,
-         nodes: int | None = None, wait: float | None = None) -> Region:
+         nodes: int | None = None, wait: float | None = None, lease: float | None = None,
+         lock_manager: bool = False) -> Region:
     """Attach to a region as `node`, formatting it first when asked to create it.
 
     Parameters
@@ -109,6 +110,11 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     wait : float, optional
         Seconds to wait for a concurrent formatter (default 10 s with
         ``create=True``, else 0).
+    lease : float, optional
+        When creating: seconds of silence after which a node is presumed dead
+        and its lock holds are broken (default 2.0).
+    lock_manager : bool
+        Start the lock manager (for ``mode="manager"`` locks) in this process.
 
     Raises
     ------
@@ -132,19 +138,30 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     region = Region(backend, str(s))
     try:
         if created:
-            region._format(nodes, _sb.new_uuid())
+            region._format(nodes, _sb.new_uuid(), _lease_ms(lease))
         else:
             patience = CREATE_WAIT_S if (create and wait is None) else (wait or 0.0)
             region._attach(size, nodes, patience)
+        if lock_manager:
+            region.start_lock_manager()
     except BaseException:
-        backend.close()
+        region.close()
         if created:
             os.unlink(s.path)  # ours, never published: nothing is lost
         raise
     return region
 
 
-def format(spec: str, *, size: int | str, nodes: int, force: bool = False) -> dict[str, Any]:
+def _lease_ms(lease: float | None) -> int:
+    if lease is None:
+        return _sb.DEFAULT_LEASE_MS
+    if not 0.001 <= lease <= 3600:
+        raise ValueError(f"lease must be between 0.001 and 3600 seconds, got {lease}")
+    return int(lease * 1000)
+
+
+def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
+           lease: float | None = None) -> dict[str, Any]:
     """Create (or with ``force``, overwrite) and format a region; return :func:`inspect`."""
     s, cls, params = _resolve(spec)
     size, nodes = _check_geometry(size, nodes)
@@ -156,7 +173,7 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False) -> di
     backend = cls(s.path, params, 0, size)
     region = Region(backend, str(s))
     try:
-        region._format(nodes, _sb.new_uuid())
+        region._format(nodes, _sb.new_uuid(), _lease_ms(lease))
     finally:
         region.close()
     return inspect(str(s))

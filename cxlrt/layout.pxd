@@ -1,27 +1,41 @@
 # On-media structures of a region. Sized types and offsets only, never pointers:
 # every host maps the region at a different address.
 #
-# Region map (layout version 1):
-#   [0, 4096)                 superblock page (cxl_superblock at 0)
-#   [4096, 4096 + nodes_area) per-node areas, CXL_NODE_AREA bytes each,
-#                             written only by their node
-#   [heap_off, size)          heap (allocator, directory, index: later versions)
+# Region map (layout version 2), every section page-aligned:
+#   superblock page   cxl_superblock at 0
+#   nodes             CXL_NODE_AREA bytes a node, written only by that node
+#   locks             one manager-claim line, then CXL_MAX_LOCKS lock records of
+#                     (nodes + 2) lines: header, one line per node, grant line
+#   directory         CXL_DIR_ENTRIES entries of CXL_DIR_ENTRY bytes (lock 0)
+#   alloc             chunk table (8 bytes a chunk), then one remote-free queue a
+#                     node (all written under lock 1, the allocator lock)
+#   heap              chunks of CXL_CHUNK bytes, CXL_CHUNK-aligned
 # The magic is published last at format time, so a half-formatted region never
 # looks valid.
 from libc.stdint cimport uint32_t, uint64_t
 
 
 cdef enum:
-    CXL_LAYOUT_VERSION = 1
+    CXL_LAYOUT_VERSION = 2
     CXL_LINE_SIZE = 64
     CXL_SB_PAGE = 4096
     CXL_MAX_SECTIONS = 8
     CXL_MAX_NODES = 64
     CXL_NODE_AREA = 256       # four lines per node
-    CXL_MIN_HEAP = 65536
+    CXL_CHUNK = 65536         # allocation granule of the global chunk table
+    CXL_MIN_CHUNKS = 4
+    CXL_MAX_LOCKS = 64
+    CXL_LOCK_NAME = 40        # bytes of a lock name
+    CXL_DIR_ENTRIES = 128
+    CXL_DIR_ENTRY = 128       # two lines: header + name
+    CXL_DIR_NAME = 64         # bytes of a directory name (UTF-8)
+    CXL_RFREE_SLOTS = 504     # remote-free queue entries a node (4 KiB with its header)
     CXL_SEC_NODES = 0
-    CXL_SEC_HEAP = 1
-    CXL_NSECTIONS_V1 = 2
+    CXL_SEC_LOCKS = 1
+    CXL_SEC_DIR = 2
+    CXL_SEC_ALLOC = 3
+    CXL_SEC_HEAP = 4
+    CXL_NSECTIONS = 5
 
 
 ctypedef struct cxl_section:
@@ -39,6 +53,8 @@ ctypedef struct cxl_superblock:
     uint64_t uuid             # random per format; tells a reformatted region apart
     uint64_t created_ns       # wall clock at format (CLOCK_REALTIME, ns)
     cxl_section sections[8]   # indexed by CXL_SEC_*
+    uint32_t lease_ms         # a node silent this long is dead (lock breaking)
+    uint32_t chunk_size       # CXL_CHUNK
     uint64_t checksum         # FNV-1a 64 of every byte before this field
 
 
@@ -48,3 +64,73 @@ ctypedef struct cxl_node_area:
     uint64_t attaches         # attaches seen by this node's writer (informational)
     uint64_t host_id          # hash of the attaching host's name
     uint64_t reserved[28]     # pads to CXL_NODE_AREA; later versions use it
+
+
+# --- locks (one record: header line, one line per node, grant line) -----------
+
+ctypedef struct cxl_lock_header:
+    uint64_t state            # 0 free, CXL_LOCK_READY once published
+    uint32_t mode             # CXL_LOCK_BAKERY or CXL_LOCK_MANAGER
+    uint32_t name_len
+    char name[40]             # CXL_LOCK_NAME bytes, not NUL-terminated
+    uint64_t reserved
+
+
+ctypedef struct cxl_lock_node_line:
+    uint64_t choosing         # bakery: 1 while picking a ticket
+    uint64_t number           # bakery: ticket, 0 = not competing
+    uint64_t req_seq          # manager: requests made by this node
+    uint64_t rel_seq          # manager: requests this node has released
+    uint64_t acquisitions     # global acquisitions by this node (statistics)
+    uint64_t reserved[3]
+
+
+ctypedef struct cxl_lock_grant_line:
+    uint64_t node_plus1       # manager: granted node + 1, 0 = none
+    uint64_t seq              # manager: the request number granted
+    uint64_t reserved[6]
+
+
+ctypedef struct cxl_mgr_claim:
+    uint64_t node_plus1       # node running the lock manager + 1, 0 = none
+    uint64_t pid              # its process
+    uint64_t beat_ns          # wall clock of its last scan
+    uint64_t reserved[5]
+
+
+# --- directory ------------------------------------------------------------------
+
+ctypedef struct cxl_dir_entry:
+    uint64_t state            # 0 free, 1 used
+    uint64_t off              # the named object's offset
+    uint64_t name_len
+    uint64_t reserved[5]
+    char name[64]             # continues into the second line (CXL_DIR_NAME bytes)
+
+
+# --- allocator --------------------------------------------------------------------
+# A chunk table word: 0 free; else kind in bits 62-63, owner node in bits 48-55,
+# and per kind: small = size class in bits 0-7; large head = run length in
+# chunks in bits 0-31; large tail = head chunk index in bits 0-31.
+
+cdef enum:
+    CXL_CK_SMALL = 1
+    CXL_CK_LARGE = 2
+    CXL_CK_TAIL = 3
+    CXL_SMALL_MAGIC = 0x534D4C43  # "CLMS": a carved small chunk's header
+
+
+ctypedef struct cxl_small_header:
+    uint32_t magic            # CXL_SMALL_MAGIC once carved
+    uint32_t size_class       # object bytes
+    uint32_t owner            # the only node that writes the bitmap
+    uint32_t nslots
+    uint32_t data_start       # offset of slot 0 from the chunk start
+    uint32_t reserved0
+    uint64_t reserved[5]
+
+
+ctypedef struct cxl_rfree_queue:
+    uint64_t count            # entries in use (written under the allocator lock)
+    uint64_t reserved[7]
+    uint64_t off[504]         # objects freed by other nodes, owned by this node

@@ -11,6 +11,10 @@ cdef class Region:
     cdef readonly str spec         # the spec this region was opened with
     cdef readonly dict sections    # name -> (offset, size)
     cdef int _busy                 # bulk copies in flight without the GIL
+    cdef readonly unsigned int lease_ms  # a node silent this long is presumed dead
+    cdef object _locks             # LockService, created on first use
+    cdef object _heap              # Allocator, created on first use
+    cdef object _dir               # Directory, created on first use
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
 

@@ -53,18 +53,21 @@ cdef class Region:
 
     # --- lifecycle --------------------------------------------------------------
 
-    def _format(self, int nodes, unsigned long long uuid):
+    def _format(self, int nodes, unsigned long long uuid, unsigned int lease_ms):
         """Write a fresh superblock; the magic goes last (see layout.pxd)."""
+        from cxlrt.lock import builtin_headers
         _sb.check_node(self.r.node, nodes, self.spec)
         sec = _sb.layout(self.r.size, nodes)
-        # Zero the superblock page and node areas first: stale heartbeats from an
-        # earlier format must not survive into this one.
+        # Zero everything before the heap first: zero-filled lock, directory and
+        # chunk tables are valid and empty, and nothing of an earlier format survives.
         self.dma_write(0, bytes(sec["heap"][0]))
-        body = _sb.pack(self.r.size, nodes, uuid, with_magic=False)
+        for off, raw in builtin_headers(sec["locks"][0], nodes):
+            self.dma_write(off, raw)
+        body = _sb.pack(self.r.size, nodes, uuid, with_magic=False, lease_ms=lease_ms)
         self.dma_write(8, body[8:])
         self.backend.bind(nodes, uuid, True)
         # dma_write fences, so the body is in the medium before the magic is.
-        self.dma_write(0, _sb.pack(self.r.size, nodes, uuid)[:8])
+        self.dma_write(0, _sb.pack(self.r.size, nodes, uuid, lease_ms=lease_ms)[:8])
         self._adopt(self._read_superblock())
 
     def _attach(self, size=None, nodes=None, double wait=0.0):
@@ -94,6 +97,7 @@ cdef class Region:
     def _adopt(self, info):
         self.nodes = info["nodes"]
         self.uuid = info["uuid"]
+        self.lease_ms = info["lease_ms"]
         self.sections = dict(info["sections"])
         self.heartbeat(attach=True)
 
@@ -118,7 +122,41 @@ cdef class Region:
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
+        if self._locks is not None:
+            self._locks.close()
+            self._locks = None
         self.backend.close()
+
+    # --- locks, allocator, directory ------------------------------------------------
+
+    @property
+    def locks(self):
+        """The region's LockService (node-local file, heartbeat, lock manager)."""
+        if self._locks is None:
+            from cxlrt.lock import LockService
+            self.backend.region()  # raises if closed
+            svc = LockService(self, self.lease_ms)
+            svc.ensure_builtin()
+            self._locks = svc
+        return self._locks
+
+    def lock(self, str name, *, mode=None):
+        """The cross-node lock called `name`, created on first use.
+
+        Parameters
+        ----------
+        name : str
+            1 to 40 bytes of UTF-8.
+        mode : {"bakery", "manager"}, optional
+            Fixed when the lock is created (default "bakery"); asking for another
+            mode than the existing lock's is a ValueError. "manager" locks need a
+            lock manager: ``cxlrt lockmgr SPEC`` or ``cxlrt.open(..., lock_manager=True)``.
+        """
+        return self.locks.get(name, mode)
+
+    def start_lock_manager(self):
+        """Run the lock manager for this region in a background thread of this process."""
+        self.locks.start_manager()
 
     def __enter__(self):
         return self

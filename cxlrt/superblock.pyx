@@ -12,9 +12,13 @@ import time
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy, memset
 
-from cxlrt.layout cimport (CXL_LAYOUT_VERSION, CXL_LINE_SIZE, CXL_MAX_NODES, CXL_MAX_SECTIONS,
-                           CXL_MIN_HEAP, CXL_NODE_AREA, CXL_NSECTIONS_V1, CXL_SB_PAGE,
-                           CXL_SEC_HEAP, CXL_SEC_NODES, cxl_node_area, cxl_superblock)
+from cxlrt.layout cimport (CXL_CHUNK, CXL_DIR_ENTRIES, CXL_DIR_ENTRY, CXL_LAYOUT_VERSION,
+                           CXL_LINE_SIZE, CXL_MAX_LOCKS, CXL_MAX_NODES, CXL_MAX_SECTIONS,
+                           CXL_MIN_CHUNKS, CXL_NODE_AREA, CXL_NSECTIONS, CXL_SB_PAGE,
+                           CXL_SEC_ALLOC, CXL_SEC_DIR, CXL_SEC_HEAP, CXL_SEC_LOCKS, CXL_SEC_NODES,
+                           cxl_dir_entry, cxl_lock_grant_line, cxl_lock_header,
+                           cxl_lock_node_line, cxl_mgr_claim, cxl_node_area, cxl_rfree_queue,
+                           cxl_small_header, cxl_superblock)
 
 from cxlrt.errors import (ChecksumError, LayoutVersionError, NodeRangeError, NotARegionError,
                           RegionError, RegionSizeError)
@@ -25,11 +29,22 @@ SB_BYTES = sizeof(cxl_superblock)
 NODE_AREA = CXL_NODE_AREA
 PAGE = CXL_SB_PAGE
 MAX_NODES = CXL_MAX_NODES
-SECTION_NAMES = {CXL_SEC_NODES: "nodes", CXL_SEC_HEAP: "heap"}
+CHUNK = CXL_CHUNK
+MAX_LOCKS = CXL_MAX_LOCKS
+DIR_ENTRIES = CXL_DIR_ENTRIES
+DIR_ENTRY = CXL_DIR_ENTRY
+RFREE_BYTES = sizeof(cxl_rfree_queue)
+DEFAULT_LEASE_MS = 2000
+SECTION_NAMES = {CXL_SEC_NODES: "nodes", CXL_SEC_LOCKS: "locks", CXL_SEC_DIR: "directory",
+                 CXL_SEC_ALLOC: "alloc", CXL_SEC_HEAP: "heap"}
 
 # Sizes are part of the on-media format; a change here must bump the version.
-assert sizeof(cxl_superblock) == 184, sizeof(cxl_superblock)
+assert sizeof(cxl_superblock) == 192, sizeof(cxl_superblock)
 assert sizeof(cxl_node_area) == CXL_NODE_AREA, sizeof(cxl_node_area)
+assert sizeof(cxl_lock_header) == 64 and sizeof(cxl_lock_node_line) == 64
+assert sizeof(cxl_lock_grant_line) == 64 and sizeof(cxl_mgr_claim) == 64
+assert sizeof(cxl_dir_entry) == CXL_DIR_ENTRY and sizeof(cxl_small_header) == 64
+assert sizeof(cxl_rfree_queue) == 4096
 
 
 cdef uint64_t _fnv1a(const uint8_t* p, size_t n) noexcept nogil:
@@ -54,9 +69,29 @@ def _align(n, a):
     return (n + a - 1) // a * a
 
 
+def lock_record_bytes(int nodes):
+    """Bytes of one lock record: header, one line per node, grant line."""
+    return (nodes + 2) * CXL_LINE_SIZE
+
+
+def _fixed(int nodes):
+    """Offsets of the sections before the allocator's: (nodes, locks, directory, alloc)."""
+    nodes_off = PAGE
+    locks_off = _align(nodes_off + nodes * NODE_AREA, PAGE)
+    locks_len = CXL_LINE_SIZE + CXL_MAX_LOCKS * lock_record_bytes(nodes)
+    dir_off = _align(locks_off + locks_len, PAGE)
+    alloc_off = _align(dir_off + CXL_DIR_ENTRIES * CXL_DIR_ENTRY, PAGE)
+    return nodes_off, locks_off, locks_len, dir_off, alloc_off
+
+
+def _alloc_bytes(nchunks, int nodes):
+    return _align(nchunks * 8, PAGE) + nodes * RFREE_BYTES
+
+
 def min_size(int nodes):
-    """Smallest region that holds the superblock, `nodes` node areas and a minimal heap."""
-    return PAGE + _align(nodes * NODE_AREA, PAGE) + CXL_MIN_HEAP
+    """Smallest region that holds the fixed sections and CXL_MIN_CHUNKS heap chunks."""
+    alloc_off = _fixed(nodes)[4]
+    return _align(alloc_off + _alloc_bytes(CXL_MIN_CHUNKS, nodes), CHUNK) + CXL_MIN_CHUNKS * CHUNK
 
 
 def layout(unsigned long long size, int nodes):
@@ -68,12 +103,19 @@ def layout(unsigned long long size, int nodes):
         raise RegionSizeError(
             f"region size {size} bytes is too small for {nodes} node(s): "
             f"need at least {need} bytes ({need // 1024} KiB)")
-    nodes_off = PAGE
-    heap_off = _align(nodes_off + nodes * NODE_AREA, PAGE)
-    return {"nodes": (nodes_off, nodes * NODE_AREA), "heap": (heap_off, size - heap_off)}
+    nodes_off, locks_off, locks_len, dir_off, alloc_off = _fixed(nodes)
+    nchunks = (size - alloc_off) // CHUNK
+    while _align(alloc_off + _alloc_bytes(nchunks, nodes), CHUNK) + nchunks * CHUNK > size:
+        nchunks -= 1
+    heap_off = _align(alloc_off + _alloc_bytes(nchunks, nodes), CHUNK)
+    return {"nodes": (nodes_off, nodes * NODE_AREA), "locks": (locks_off, locks_len),
+            "directory": (dir_off, CXL_DIR_ENTRIES * CXL_DIR_ENTRY),
+            "alloc": (alloc_off, _alloc_bytes(nchunks, nodes)),
+            "heap": (heap_off, nchunks * CHUNK)}
 
 
-def pack(unsigned long long size, int nodes, unsigned long long uuid, bint with_magic=True):
+def pack(unsigned long long size, int nodes, unsigned long long uuid, bint with_magic=True,
+         unsigned int lease_ms=DEFAULT_LEASE_MS):
     """A superblock as bytes, checksummed as it will read once the magic is published."""
     cdef cxl_superblock sb
     sec = layout(size, nodes)
@@ -83,11 +125,13 @@ def pack(unsigned long long size, int nodes, unsigned long long uuid, bint with_
     sb.line_size = CXL_LINE_SIZE
     sb.size = size
     sb.nodes = nodes
-    sb.nsections = CXL_NSECTIONS_V1
+    sb.nsections = CXL_NSECTIONS
     sb.uuid = uuid
     sb.created_ns = time.time_ns()
-    sb.sections[CXL_SEC_NODES].off, sb.sections[CXL_SEC_NODES].size = sec["nodes"]
-    sb.sections[CXL_SEC_HEAP].off, sb.sections[CXL_SEC_HEAP].size = sec["heap"]
+    for i, name in SECTION_NAMES.items():
+        sb.sections[i].off, sb.sections[i].size = sec[name]
+    sb.lease_ms = lease_ms
+    sb.chunk_size = CXL_CHUNK
     sb.checksum = _fnv1a(<const uint8_t*>&sb, sizeof(sb) - 8)
     if not with_magic:
         sb.magic = 0
@@ -137,28 +181,33 @@ def unpack(bytes raw, unsigned long long medium_size, str where):
             f"{medium_size} (truncated or resized after formatting?)")
     if not 1 <= sb.nodes <= MAX_NODES:
         raise RegionError(f"{where}: node count {sb.nodes} outside 1..{MAX_NODES}")
-    if sb.nsections != CXL_NSECTIONS_V1 or sb.nsections > CXL_MAX_SECTIONS:
-        raise RegionError(f"{where}: {sb.nsections} sections, expected {CXL_NSECTIONS_V1}")
+    if sb.nsections != CXL_NSECTIONS:
+        raise RegionError(f"{where}: {sb.nsections} sections, expected {CXL_NSECTIONS}")
+    if sb.chunk_size != CXL_CHUNK or not 1 <= sb.lease_ms <= 3_600_000:
+        raise RegionError(f"{where}: chunk size {sb.chunk_size} / lease {sb.lease_ms} ms "
+                          "out of range")
     sections = {}
     for i in range(sb.nsections):
         off, n = sb.sections[i].off, sb.sections[i].size
         if off < PAGE or n > sb.size or off > sb.size - n:
             raise RegionError(f"{where}: section {SECTION_NAMES[i]} [{off}, {off + n}) lies "
                               f"outside the region of {sb.size} bytes")
+        if off % PAGE:
+            raise RegionError(f"{where}: section {SECTION_NAMES[i]} does not start on a "
+                              f"{PAGE}-byte boundary")
         sections[SECTION_NAMES[i]] = (off, n)
-    nodes_off, nodes_len = sections["nodes"]
-    heap_off, heap_len = sections["heap"]
-    if any(off % PAGE for off, _ in sections.values()):
-        raise RegionError(f"{where}: a section does not start on a {PAGE}-byte boundary")
-    if nodes_len != sb.nodes * NODE_AREA:
-        raise RegionError(f"{where}: node section holds {nodes_len} bytes, expected "
-                          f"{sb.nodes * NODE_AREA} for {sb.nodes} nodes")
-    if heap_off < nodes_off + nodes_len or heap_off + heap_len != sb.size \
-            or heap_len < CXL_MIN_HEAP:
-        raise RegionError(f"{where}: heap [{heap_off}, {heap_off + heap_len}) overlaps the "
-                          f"node areas or does not run to the end of the region")
+    try:
+        want_layout = layout(sb.size, sb.nodes)
+    except (ValueError, RegionError) as e:
+        raise RegionError(f"{where}: geometry is not valid: {e}") from None
+    if sections != want_layout:
+        bad = [k for k in want_layout if sections[k] != want_layout[k]]
+        raise RegionError(f"{where}: section(s) {', '.join(bad)} are not where layout version "
+                          f"{CXL_LAYOUT_VERSION} puts them for {sb.size} bytes and {sb.nodes} "
+                          "nodes (overlapping, misplaced or resized)")
     return {"version": sb.version, "size": sb.size, "nodes": sb.nodes, "uuid": sb.uuid,
-            "created_ns": sb.created_ns, "sections": sections}
+            "created_ns": sb.created_ns, "sections": sections, "lease_ms": sb.lease_ms,
+            "chunk_size": sb.chunk_size}
 
 
 def check_node(int node, int nodes, str where):

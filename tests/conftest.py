@@ -57,8 +57,9 @@ class BackendCase:
     def path(self) -> str:
         return os.path.join(self.root, "region")
 
-    def create(self, *, size="4M", nodes=4, node=0) -> cxlrt.Region:
-        return cxlrt.open(self.spec(), node=node, create=True, size=size, nodes=nodes)
+    def create(self, *, size="4M", nodes=4, node=0, lease=None, **kw) -> cxlrt.Region:
+        return cxlrt.open(self.spec(), node=node, create=True, size=size, nodes=nodes,
+                          lease=lease, **kw)
 
     def open(self, node: int) -> cxlrt.Region:
         return cxlrt.open(self.spec(), node=node)

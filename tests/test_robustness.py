@@ -80,26 +80,29 @@ def test_close_while_another_thread_copies_does_not_crash(region_dir, scheme):
     assert errors and isinstance(errors[0], cxlrt.RegionClosedError)
 
 
-def _patch_sections(path, nodes_off, nodes_len, heap_off):
+def _patch_section(path, index, d_off, d_len):
+    """Move/resize one section-table entry and re-seal the checksum (a subtle forgery)."""
     with open(path, "r+b") as f:
         raw = bytearray(f.read(sb.SB_BYTES))
-        struct.pack_into("<QQQQ", raw, 48, nodes_off, nodes_len, heap_off,
-                         os.path.getsize(path) - heap_off)
+        at = 48 + 16 * index
+        off, n = struct.unpack_from("<QQ", raw, at)
+        struct.pack_into("<QQ", raw, at, off + d_off, n + d_len)
         struct.pack_into("<Q", raw, sb.SB_BYTES - 8, sb.checksum(bytes(raw)))
         f.seek(0)
         f.write(raw)
 
 
-@pytest.mark.parametrize("nodes_off,nodes_len,heap_off,msg", [
-    (4136, 4 * 256, 8192, "boundary"),          # node areas sharing lines
-    (4096, 4 * 256, 4096, "overlaps"),          # heap on top of the node areas
-    (4096, 2 * 256, 8192, "expected 1024"),     # node section too short
+@pytest.mark.parametrize("index,d_off,d_len,msg", [
+    (0, 40, 0, "nodes does not start on a 4096-byte boundary"),  # node areas sharing lines
+    (4, -4096, 4096, "heap are not where"),                      # heap over the allocator
+    (0, 0, -512, "nodes are not where"),                         # node section too short
+    (1, 4096, 0, "locks are not where"),                         # locks over the directory
 ])
-def test_checksummed_but_inconsistent_sections_are_rejected(region_dir, nodes_off, nodes_len,
-                                                            heap_off, msg):
+def test_checksummed_but_inconsistent_sections_are_rejected(region_dir, index, d_off, d_len,
+                                                            msg):
     p = f"{region_dir}/s"
     cxlrt.format(f"file:{p}", size="1M", nodes=4)
-    _patch_sections(p, nodes_off, nodes_len, heap_off)
+    _patch_section(p, index, d_off, d_len)
     with pytest.raises(cxlrt.RegionError, match=msg):
         cxlrt.open(f"file:{p}", node=0)
 

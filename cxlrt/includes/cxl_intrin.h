@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <sys/syscall.h>
+#include <sched.h>
 
 #define CXL_LINE 64
 
@@ -127,6 +128,29 @@ static inline uint64_t cxl_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Wall clock: comparable across hosts (NTP/PTP-synchronised), used for leases. */
+static inline uint64_t cxl_wall_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Back off politely while another process (maybe on our own core) holds what we
+ * wait for: spin briefly, then yield, then sleep up to ~50 us. */
+static inline void cxl_backoff(uint64_t *spins)
+{
+    uint64_t s = ++*spins;
+    if (s < 64) {
+        cxl_cpu_relax();
+    } else if (s < 256) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, (long)(s < 4096 ? 2000 : 50000)};
+        nanosleep(&ts, NULL);
+    }
 }
 
 /* Busy-wait: device latencies are hundreds of ns, far below any sleep. */

@@ -1,0 +1,42 @@
+# Two-tier cross-node lock (TraCT): a robust node-local mutex, then a global tier
+# over single-writer lines (Lamport's bakery, or a lock manager's grant line).
+#
+# Invariants:
+#  - Node n writes only its own line of each lock record; the grant line is
+#    written only by the one lock manager that holds the manager claim.
+#  - The global tier is entered only by the holder of the node-local mutex, so
+#    at most one thread per node competes and a node's line has one writer.
+#  - A node whose heartbeat is older than the lease is dead: waiters skip its
+#    line, and the manager revokes its grant. A dead process inside a live node
+#    is recovered by that node's other processes through the robust mutex.
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.backend cimport cxl_region
+
+
+cdef enum:
+    CXL_LOCK_READY = 1
+    CXL_LOCK_BAKERY = 1
+    CXL_LOCK_MANAGER = 2
+    CXL_LOCK_META = 0      # lock 0 guards the lock table and the directory
+    CXL_LOCK_ALLOC = 1     # lock 1 guards the chunk table and remote-free queues
+    CXLRT_E_TIMEOUT = -1010
+    CXLRT_E_LOCKSTATE = -1011  # a lock's own state is unusable (not created, bad mode)
+
+
+ctypedef struct cxl_lockctx:
+    const cxl_region* r
+    char* local               # node-local lock slots (CXL_LOCAL_LOCK_BYTES apart)
+    uint64_t locks_off        # locks section: claim line, then records
+    uint64_t nodes_off        # node areas (heartbeats)
+    uint64_t rec_bytes        # (nodes + 2) * 64
+    uint64_t lease_ns
+    uint32_t nodes
+    uint32_t node
+
+
+cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
+                          int* recovered) noexcept nogil
+cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil
+cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil
+cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil

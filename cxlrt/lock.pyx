@@ -1,0 +1,736 @@
+# cython: language_level=3
+"""Two-tier cross-node locks over the backend contract (see lock.pxd).
+
+Tier 1 is a robust process-shared mutex in node-local memory; tier 2 is either
+Lamport's bakery (loads and stores only, each node writing its own line) or a
+lock manager that grants round-robin by writing one grant line. Everything
+crossing nodes is publish (store, flush, fence) / observe (flush, load).
+"""
+
+import os
+import threading
+import time
+
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_region,
+                            cxl_store64)
+from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_wall_ns, unlikely
+from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_trylock, cxl_mutex_unlock,
+                                   pthread_mutex_t)
+from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
+from cxlrt.region cimport Region
+
+from cxlrt.errors import CxlrtError, RegionError
+
+cdef extern from "<unistd.h>" nogil:
+    int getpid()
+
+cdef extern from "cxl_intrin.h" nogil:
+    uint32_t cxl_thread_id()
+
+# How often a waiter re-reads the heartbeat of the node it waits on.
+cdef enum:
+    DEAD_CHECK_NS = 20000000
+
+
+class LockTimeout(CxlrtError, TimeoutError):
+    """A lock was not acquired within the timeout."""
+
+
+class LeaseLost(CxlrtError):
+    """This node was silent longer than the lease while holding a lock.
+
+    Other nodes may have broken the hold, so the critical section may have
+    overlapped another holder's: treat what it protected as suspect.
+    """
+
+
+# --- helpers --------------------------------------------------------------------
+
+cdef inline cxl_local_lock* _slot(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    return <cxl_local_lock*>(L.local + id * CXL_LOCAL_LOCK_BYTES)
+
+
+cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """Offset of lock `id`'s record: header line, node lines, grant line."""
+    return L.locks_off + 64 + id * L.rec_bytes
+
+
+cdef inline uint64_t _line(cxl_lockctx* L, uint32_t id, uint32_t j) noexcept nogil:
+    return cxl_lock_record(L, id) + 64 * (1 + j)
+
+
+cdef inline uint64_t _grant(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    return cxl_lock_record(L, id) + 64 * (1 + L.nodes)
+
+
+cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
+    """Observe: drop our copy of the line, then load (pairs with the writer's persist)."""
+    cdef int rc = cxl_flush(r, off, 8)
+    if rc == 0:
+        rc = cxl_load64(r, off, v)
+    return rc
+
+
+cdef inline int _observe2(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
+    """Observe two words of one line as one snapshot (one fill, not two loads)."""
+    cdef int rc = cxl_flush(r, off, 16)
+    if rc == 0:
+        rc = cxl_load(r, off, v, 16)
+    return rc
+
+
+cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil:
+    """1 if node j's heartbeat is older than the lease (it attached, then went silent)."""
+    cdef uint64_t hb = 0
+    if _observe64(L.r, L.nodes_off + j * 256 + 8, &hb) != 0 or hb == 0:
+        return 0
+    return 1 if cxl_wall_ns() > hb + L.lease_ns else 0
+
+
+# --- bakery -----------------------------------------------------------------------
+
+cdef int _bakery_withdraw(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """Leave the bakery: ticket 0, not choosing, published."""
+    cdef uint64_t me = _line(L, id, L.node)
+    cdef int rc = cxl_store64(L.r, me, 0)
+    if rc == 0:
+        rc = cxl_store64(L.r, me + 8, 0)
+    if rc == 0:
+        rc = cxl_persist(L.r, me, 64)
+    return rc
+
+
+cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
+    """Lamport's bakery over single-writer lines; every read is an observe."""
+    cdef const cxl_region* r = L.r
+    cdef uint64_t me = _line(L, id, L.node)
+    cdef uint64_t ln, v = 0, ticket = 0, mx = 0, acq = 0, spins, next_check
+    cdef uint32_t j
+    cdef int rc
+    # choosing = 1 must be visible before we read anyone's ticket.
+    rc = cxl_store64(r, me, 1)
+    if rc == 0:
+        rc = cxl_persist(r, me, 64)
+    for j in range(L.nodes):
+        if rc != 0:
+            break
+        if j != L.node:
+            rc = _observe64(r, _line(L, id, j) + 8, &v)
+            if v > mx:
+                mx = v
+    ticket = mx + 1
+    if rc == 0:
+        rc = cxl_store64(r, me + 8, ticket)
+    if rc == 0:  # the ticket is published before choosing drops (two persists)
+        rc = cxl_persist(r, me, 64)
+    if rc == 0:
+        rc = cxl_store64(r, me, 0)
+    if rc == 0:
+        rc = cxl_persist(r, me, 64)
+    if rc != 0:
+        _bakery_withdraw(L, id)
+        return rc
+    for j in range(L.nodes):
+        if j == L.node:
+            continue
+        ln = _line(L, id, j)
+        spins = 0
+        next_check = cxl_now_ns() + DEAD_CHECK_NS
+        while True:  # wait while j is choosing
+            rc = _observe64(r, ln, &v)
+            if rc != 0 or v == 0:
+                break
+            if cxl_now_ns() > next_check:
+                if cxl_node_dead(L, j):
+                    break
+                next_check = cxl_now_ns() + DEAD_CHECK_NS
+                if cxl_now_ns() > deadline:
+                    _bakery_withdraw(L, id)
+                    return CXLRT_E_TIMEOUT
+            cxl_backoff(&spins)
+        while rc == 0:  # wait while j holds a smaller (ticket, node)
+            rc = _observe64(r, ln + 8, &v)
+            if rc != 0 or v == 0 or v > ticket or (v == ticket and j > L.node):
+                break
+            if cxl_now_ns() > next_check:
+                if cxl_node_dead(L, j):
+                    break
+                next_check = cxl_now_ns() + DEAD_CHECK_NS
+                if cxl_now_ns() > deadline:
+                    _bakery_withdraw(L, id)
+                    return CXLRT_E_TIMEOUT
+            cxl_backoff(&spins)
+        if rc != 0:
+            _bakery_withdraw(L, id)
+            return rc
+    # Our own line, our own statistics: published with the release.
+    if cxl_load64(r, me + 32, &acq) == 0:
+        cxl_store64(r, me + 32, acq + 1)
+    return 0
+
+
+# --- manager mode ---------------------------------------------------------------------
+
+cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
+    """Publish a request on our line, then wait for the grant line to name it."""
+    cdef const cxl_region* r = L.r
+    cdef uint64_t me = _line(L, id, L.node), g = _grant(L, id)
+    cdef uint64_t seq = 0, acq = 0, spins = 0
+    cdef uint64_t gv[2]
+    cdef int rc = cxl_load64(r, me + 16, &seq)  # our own line: no observe needed
+    if rc != 0:
+        return rc
+    seq += 1
+    rc = cxl_store64(r, me + 16, seq)
+    if rc == 0:
+        rc = cxl_persist(r, me, 64)
+    if rc != 0:
+        return rc
+    _slot(L, id).seq = seq
+    while True:
+        rc = _observe2(r, g, gv)  # (granted node + 1, granted request)
+        if rc != 0:
+            break
+        if gv[0] == L.node + 1 and gv[1] == seq:
+            if cxl_load64(r, me + 32, &acq) == 0:
+                cxl_store64(r, me + 32, acq + 1)
+            return 0
+        if unlikely((spins & 63) == 63) and cxl_now_ns() > deadline:
+            rc = CXLRT_E_TIMEOUT
+            break
+        cxl_backoff(&spins)
+    # Withdraw: releasing the request also releases a grant that raced the timeout.
+    cxl_store64(r, me + 24, seq)
+    cxl_persist(r, me, 64)
+    return rc
+
+
+cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """rel_seq = our request: the manager sees it on its next scan and grants on."""
+    cdef uint64_t me = _line(L, id, L.node)
+    cdef int rc = cxl_store64(L.r, me + 24, _slot(L, id).seq)
+    if rc == 0:
+        rc = cxl_persist(L.r, me, 64)
+    return rc
+
+
+cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint32_t* last) noexcept nogil:
+    """One manager pass over lock `id`: detect release or death, grant round-robin."""
+    cdef const cxl_region* r = L.r
+    cdef uint64_t g = _grant(L, id), gn = 0, gs = 0, req = 0, rel = 0
+    cdef uint64_t v[2]
+    cdef uint32_t d, j, h
+    cdef int rc = _observe2(r, g, v)  # our own line, but a restarted manager reads it too
+    if rc != 0:
+        return rc
+    gn = v[0]
+    gs = v[1]
+    if gn != 0 and gn <= L.nodes:
+        h = <uint32_t>(gn - 1)
+        rc = _observe64(r, _line(L, id, h) + 24, &rel)
+        if rc != 0:
+            return rc
+        if rel < gs and not cxl_node_dead(L, h):
+            return 0  # still held
+        last[0] = h
+    for d in range(1, L.nodes + 1):
+        j = (last[0] + d) % L.nodes
+        rc = _observe2(r, _line(L, id, j) + 16, v)  # (req_seq, rel_seq) of node j
+        if rc != 0:
+            return rc
+        req = v[0]
+        rel = v[1]
+        if req > rel and not cxl_node_dead(L, j):
+            rc = cxl_store64(r, g + 8, req)
+            if rc == 0:
+                rc = cxl_store64(r, g, j + 1)
+            if rc == 0:
+                rc = cxl_persist(r, g, 64)  # the grant: one line, one writer
+            last[0] = j
+            return rc
+    if gn != 0:
+        rc = cxl_store64(r, g, 0)
+        if rc == 0:
+            rc = cxl_persist(r, g, 64)
+    return rc
+
+
+# --- both tiers ---------------------------------------------------------------------
+
+cdef int _global_reset(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
+    """Clear whatever a dead holder of our node left in the global tier."""
+    if mode == CXL_LOCK_BAKERY:
+        return _bakery_withdraw(L, id)
+    cdef uint64_t me = _line(L, id, L.node), req = 0
+    cdef int rc = cxl_load64(L.r, me + 16, &req)
+    if rc == 0:
+        rc = cxl_store64(L.r, me + 24, req)
+    if rc == 0:
+        rc = cxl_persist(L.r, me, 64)
+    return rc
+
+
+cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
+                          int* recovered) noexcept nogil:
+    """Take lock `id`: the node-local robust mutex, then the global tier."""
+    cdef cxl_local_lock* s = _slot(L, id)
+    cdef uint64_t t0 = cxl_now_ns()
+    cdef uint64_t deadline = t0 + timeout_ns if timeout_ns < (<uint64_t>1 << 62) else <uint64_t>-1
+    cdef int rc = cxl_mutex_timedlock(&s.m, timeout_ns if timeout_ns < (<uint64_t>1 << 62)
+                                      else <uint64_t>1 << 62)
+    if rc == -110:  # ETIMEDOUT
+        return CXLRT_E_TIMEOUT
+    if rc < 0:
+        return rc
+    if rc == 1:
+        # The previous holder died: its global state is ours to clear (same node).
+        s.recovered += 1
+        recovered[0] = 1
+        _global_reset(L, id, mode)
+        s.global_held = 0
+    s.holder_pid = <uint32_t>getpid()
+    s.holder_tid = cxl_thread_id()
+    if mode == CXL_LOCK_BAKERY:
+        rc = _bakery_acquire(L, id, deadline)
+    else:
+        rc = _mgr_acquire(L, id, deadline)
+    if rc != 0:
+        s.holder_pid = 0
+        s.holder_tid = 0
+        cxl_mutex_unlock(&s.m)
+        return rc
+    s.global_held = 1
+    return 0
+
+
+cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
+    """Leave the global tier (published), then the node-local mutex."""
+    cdef cxl_local_lock* s = _slot(L, id)
+    cdef int rc
+    if mode == CXL_LOCK_BAKERY:
+        rc = _bakery_withdraw(L, id)
+    else:
+        rc = _mgr_release(L, id)
+    s.global_held = 0
+    s.holder_pid = 0
+    s.holder_tid = 0
+    cxl_mutex_unlock(&s.m)
+    return rc
+
+
+cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
+    """If a dead process of our node holds `id`, clear its hold. 1 if it did."""
+    cdef cxl_local_lock* s = _slot(L, id)
+    cdef int rc = cxl_mutex_trylock(&s.m)
+    if rc < 0:
+        return 0  # held by a live thread (or busy): nothing to do
+    if rc == 1:
+        s.recovered += 1
+        _global_reset(L, id, mode)
+        s.global_held = 0
+        s.holder_pid = 0
+        s.holder_tid = 0
+    cxl_mutex_unlock(&s.m)
+    return rc
+
+
+# --- Python layer -------------------------------------------------------------------
+
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline void cxl_backoff_short(void)
+    {
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+    """
+    void cxl_backoff_short() nogil
+
+
+MODES = {"bakery": CXL_LOCK_BAKERY, "manager": CXL_LOCK_MANAGER}
+MODE_NAMES = {v: k for k, v in MODES.items()}
+META_NAME = "cxlrt.meta"
+ALLOC_NAME = "cxlrt.alloc"
+NAME_BYTES = 40
+MAX_LOCKS = 64
+
+
+def _rc(int rc, str what):
+    if rc == 0:
+        return
+    if rc == CXLRT_E_TIMEOUT:
+        raise LockTimeout(f"{what}: timed out")
+    if rc == -1002:
+        raise RegionError(f"{what}: the emulation's checker flagged the lock protocol")
+    raise RegionError(f"{what}: status {rc}")
+
+
+cdef class LockService:
+    """Per-Region lock machinery: node-local file, heartbeat thread, lock manager.
+
+    Created on first use by :meth:`cxlrt.Region.lock`; closed with the region.
+    """
+
+    cdef cxl_lockctx L
+    cdef readonly Region region
+    cdef readonly NodeLocal local
+    cdef readonly double lease_s
+    cdef object _stop
+    cdef object _beat_thread
+    cdef object _mgr_thread
+    cdef public object lease_gaps     # times this process missed its own lease
+    cdef public object on_beat        # extra work each beat (allocator drains), or None
+    cdef dict _modes
+    cdef bint _closed
+
+    def __init__(self, Region region, unsigned long long lease_ms):
+        self.region = region
+        self.local = NodeLocal(region.uuid, region.node)
+        cdef cxl_region* r = region.backend.region()
+        self.L.r = r
+        self.L.local = <char*>self.local.locks
+        self.L.locks_off = region.sections["locks"][0]
+        self.L.nodes_off = region.sections["nodes"][0]
+        self.L.nodes = region.nodes
+        self.L.node = region.node
+        self.L.rec_bytes = (region.nodes + 2) * 64
+        self.L.lease_ns = lease_ms * 1_000_000
+        self.lease_s = lease_ms / 1000.0
+        self.lease_gaps = 0
+        self.on_beat = None
+        self._modes = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._mgr_thread = None
+        self._beat(first=True)
+        self._beat_thread = threading.Thread(target=self._beat_loop, daemon=True,
+                                             name=f"cxlrt-heartbeat-n{region.node}")
+        self._beat_thread.start()
+
+    # heartbeat ---------------------------------------------------------------------
+    def _beat(self, first=False):
+        cdef uint32_t i, mode
+        self.region.heartbeat()
+        for pyi, pymode in list(self._modes.items()):
+            i, mode = pyi, pymode
+            with nogil:
+                _recover_dead_holder(&self.L, i, mode)
+
+    def _beat_loop(self):
+        period = max(0.01, self.lease_s / 8)
+        last = time.monotonic()
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            if now - last > self.lease_s:
+                self.lease_gaps += 1  # others may have presumed us dead meanwhile
+            last = now
+            try:
+                self._beat()
+                if self.on_beat is not None:
+                    self.on_beat()
+            except RegionError:
+                return  # region closed under us
+
+    # lock table ------------------------------------------------------------------------
+    cdef uint64_t _rec(self, uint32_t i):
+        return cxl_lock_record(&self.L, i)
+
+    def _read_header(self, uint32_t i):
+        r = self.region
+        off = self._rec(i)
+        r.flush(off, 64)
+        raw = r.load(off, 64)
+        state = int.from_bytes(raw[0:8], "little")
+        mode = int.from_bytes(raw[8:12], "little")
+        n = int.from_bytes(raw[12:16], "little")
+        if state != CXL_LOCK_READY:
+            return None
+        if n > NAME_BYTES or mode not in MODE_NAMES:
+            raise RegionError(f"lock record {i} is corrupt (mode {mode}, name length {n})")
+        return raw[16:16 + n].decode("utf-8", "replace"), mode
+
+    def _write_header(self, uint32_t i, bytes name, uint32_t mode):
+        """Create record i (lock 0 held, or formatting); state is published last."""
+        r = self.region
+        off = self._rec(i)
+        body = mode.to_bytes(4, "little") + len(name).to_bytes(4, "little") + name.ljust(48, b"\0")
+        r.flush(off, 64)
+        r.store(off + 8, body)
+        r.persist(off, 64)
+        r.store64(off, CXL_LOCK_READY)
+        r.persist(off, 64)
+
+    def find(self, str name):
+        """(index, mode) of the lock called `name`, or None."""
+        for i in range(MAX_LOCKS):
+            h = self._read_header(i)
+            if h is not None and h[0] == name:
+                return i, h[1]
+        return None
+
+    def ensure_builtin(self):
+        """Locks 0 (meta) and 1 (alloc) exist from format time; check they do."""
+        for i, name in ((CXL_LOCK_META, META_NAME), (CXL_LOCK_ALLOC, ALLOC_NAME)):
+            h = self._read_header(i)
+            if h is None or h[0] != name:
+                raise RegionError(f"{self.region.spec}: built-in lock {name!r} is missing; "
+                                  "the region is corrupt (run `cxlrt check`)")
+            self._modes[i] = h[1]
+
+    def get(self, str name, mode=None):
+        """The Lock called `name`, created with `mode` if it does not exist yet."""
+        raw = name.encode("utf-8") if isinstance(name, str) else b""
+        if not raw or len(raw) > NAME_BYTES:
+            raise ValueError(f"lock name must be 1..{NAME_BYTES} bytes of UTF-8, got {name!r}")
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"lock mode must be 'bakery' or 'manager', not {mode!r}")
+        found = self.find(name)
+        if found is None:
+            meta = Lock(self, CXL_LOCK_META, META_NAME, self._modes[CXL_LOCK_META])
+            with meta:
+                found = self.find(name)  # someone may have created it meanwhile
+                if found is None:
+                    for i in range(2, MAX_LOCKS):
+                        if self._read_header(i) is None:
+                            self._write_header(i, raw, MODES[mode or "bakery"])
+                            found = (i, MODES[mode or "bakery"])
+                            break
+                    else:
+                        raise RegionError(f"{self.region.spec}: all {MAX_LOCKS - 2} lock "
+                                          "records are in use")
+        i, m = found
+        if mode is not None and MODES[mode] != m:
+            raise ValueError(f"lock {name!r} exists in {MODE_NAMES[m]!r} mode; its mode is "
+                             f"fixed when it is created (asked for {mode!r})")
+        self._modes[i] = m
+        return Lock(self, i, name, m)
+
+    def builtin(self, uint32_t i):
+        return Lock(self, i, META_NAME if i == CXL_LOCK_META else ALLOC_NAME, self._modes[i])
+
+    # manager -----------------------------------------------------------------------------
+    def start_manager(self):
+        """Claim the lock-manager role (under lock 0) and grant in a background thread."""
+        if self._mgr_thread is not None:
+            return
+        r = self.region
+        claim = self.L.locks_off
+        with self.builtin(CXL_LOCK_META):
+            holder, pid, beat = self._claim()
+            alive = holder and time.time_ns() - beat < self.L.lease_ns
+            if alive and (holder - 1, pid) != (r.node, os.getpid()):
+                raise RegionError(f"a lock manager is already running (node {holder - 1}, "
+                                  f"pid {pid}); only one may write the grant lines")
+            self._claim_beat()
+        self._mgr_thread = threading.Thread(target=self._mgr_loop, daemon=True,
+                                            name="cxlrt-lockmgr")
+        self._mgr_thread.start()
+
+    def _claim(self):
+        """(node + 1, pid, beat) of the manager claim, observed as one snapshot."""
+        r = self.region
+        r.flush(self.L.locks_off, 64)
+        raw = r.load(self.L.locks_off, 24)
+        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+
+    def _claim_beat(self):
+        r = self.region
+        claim = self.L.locks_off
+        r.store64(claim, r.node + 1)
+        r.store64(claim + 8, os.getpid())
+        r.store64(claim + 16, time.time_ns())
+        r.persist(claim, 64)
+
+    def _mgr_loop(self):
+        cdef uint32_t last[64]
+        cdef uint32_t ids[64]
+        cdef uint32_t n = 0, k
+        cdef int rc = 0
+        cdef uint64_t until
+        for k in range(64):
+            last[k] = 0
+        while not self._stop.is_set():
+            try:
+                n = 0
+                for i in range(MAX_LOCKS):
+                    h = self._read_header(i)
+                    if h is not None and h[1] == CXL_LOCK_MANAGER:
+                        ids[n] = i
+                        n += 1
+                self._claim_beat()
+            except RegionError:
+                return
+            until = cxl_now_ns() + 100_000_000  # rescan the table every 100 ms
+            with nogil:
+                while cxl_now_ns() < until and rc == 0:
+                    for k in range(n):
+                        rc = _mgr_step(&self.L, ids[k], &last[ids[k]])
+                        if rc != 0:
+                            break
+                    cxl_backoff_short()
+            if rc != 0:
+                return
+
+    def stop_manager(self):
+        """Stop granting (the claim expires after one lease)."""
+        t = self._mgr_thread
+        if t is not None:
+            self._stop.set()
+            t.join()
+            self._mgr_thread = None
+            if not self._closed:
+                self._stop = threading.Event()
+
+    def manager_info(self):
+        holder, pid, beat = self._claim()
+        if not holder:
+            return None
+        return {"node": holder - 1, "pid": pid, "age_s": (time.time_ns() - beat) / 1e9}
+
+    def node_dead(self, uint32_t j):
+        return bool(cxl_node_dead(&self.L, j))
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._mgr_thread is not None:
+            self._mgr_thread.join()
+        self._beat_thread.join()
+        self.local.close()
+
+
+cdef class Lock:
+    """A named cross-node lock (see :meth:`cxlrt.Region.lock`).
+
+    ``with lock:``, ``acquire(timeout=None) -> bool``, ``release()``,
+    ``locked()``. Not re-entrant: a thread that already holds it gets
+    RuntimeError instead of a deadlock.
+    """
+
+    cdef readonly LockService svc
+    cdef readonly uint32_t index
+    cdef readonly str name
+    cdef uint32_t _mode
+    cdef readonly bint recovered   # the last acquire took over from a dead holder
+    cdef object _gaps_at_acquire
+
+    def __init__(self, LockService svc, uint32_t index, str name, uint32_t mode):
+        self.svc = svc
+        self.index = index
+        self.name = name
+        self._mode = mode
+        self.recovered = False
+
+    @property
+    def mode(self):
+        return MODE_NAMES[self._mode]
+
+    def acquire(self, timeout=None):
+        """Block until held (True), or until `timeout` seconds pass (False)."""
+        cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
+        cdef uint64_t t = <uint64_t>-1 if timeout is None else <uint64_t>(max(0.0, timeout) * 1e9)
+        cdef int rc, rec = 0
+        if s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>getpid():
+            raise RuntimeError(f"lock {self.name!r} is already held by this thread "
+                               "(cxlrt locks are not re-entrant)")
+        self.svc.region.backend.region()  # raises if the region is closed
+        with nogil:
+            rc = cxl_lock_acquire(&self.svc.L, self.index, self._mode, t, &rec)
+        self.recovered = bool(rec)
+        if rc == CXLRT_E_TIMEOUT:
+            return False
+        _rc(rc, f"acquire {self.name!r}")
+        self._gaps_at_acquire = self.svc.lease_gaps
+        return True
+
+    def release(self):
+        """Release; LeaseLost if this node went silent past its lease while holding."""
+        cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
+        cdef int rc
+        if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>getpid():
+            raise RuntimeError(f"lock {self.name!r} is not held by this thread")
+        with nogil:
+            rc = cxl_lock_release(&self.svc.L, self.index, self._mode)
+        _rc(rc, f"release {self.name!r}")
+        if self.svc.lease_gaps != self._gaps_at_acquire:
+            raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
+                            f"the {self.svc.lease_s} s lease while holding it; another node "
+                            "may have held it at the same time")
+
+    def locked(self):
+        """True if some node holds (or is taking) the lock right now."""
+        r = self.svc.region
+        rec = cxl_lock_record(&self.svc.L, self.index)
+        if self._mode == CXL_LOCK_MANAGER:
+            g = rec + 64 * (1 + self.svc.L.nodes)
+            r.flush(g, 64)
+            raw = r.load(g, 16)
+            gn, gs = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+            if not gn:
+                return False
+            ln = rec + 64 * gn
+            r.flush(ln, 64)
+            return r.load64(ln + 24) < gs
+        for j in range(self.svc.L.nodes):
+            ln = rec + 64 * (1 + j)
+            r.flush(ln, 64)
+            if r.load64(ln + 8):
+                return True
+        return False
+
+    def held_by_me(self):
+        cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
+        return s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>getpid()
+
+    def acquisitions(self):
+        """Global acquisitions per node, as published on each node's line."""
+        r = self.svc.region
+        rec = cxl_lock_record(&self.svc.L, self.index)
+        out = []
+        for j in range(self.svc.L.nodes):
+            ln = rec + 64 * (1 + j)
+            r.flush(ln, 64)
+            out.append(r.load64(ln + 32))
+        return out
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __repr__(self):
+        return f"<cxlrt.Lock {self.name!r} #{self.index} {self.mode}>"
+
+
+def lock_bench(Lock lock, uint64_t iters):
+    """`iters` x (acquire, release) in one nogil loop; returns iters (perf/)."""
+    cdef uint64_t i
+    cdef int rc = 0, rec = 0
+    with nogil:
+        for i in range(iters):
+            rc = cxl_lock_acquire(&lock.svc.L, lock.index, lock._mode, <uint64_t>-1, &rec)
+            if rc != 0:
+                break
+            rc = cxl_lock_release(&lock.svc.L, lock.index, lock._mode)
+            if rc != 0:
+                break
+    _rc(rc, "lock_bench")
+    return iters
+
+
+def builtin_headers(unsigned long long locks_off, int nodes):
+    """(offset, bytes) of the built-in lock headers a new region starts with."""
+    out = []
+    for i, name in ((CXL_LOCK_META, META_NAME), (CXL_LOCK_ALLOC, ALLOC_NAME)):
+        raw = name.encode()
+        body = (CXL_LOCK_READY.to_bytes(8, "little") + CXL_LOCK_BAKERY.to_bytes(4, "little")
+                + len(raw).to_bytes(4, "little") + raw.ljust(48, b"\0"))
+        out.append((locks_off + 64 + i * (nodes + 2) * 64, body))
+    return out

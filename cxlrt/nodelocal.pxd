@@ -1,0 +1,41 @@
+# Node-local shared memory: state that only the processes of ONE node share.
+#
+# It lives in a host file (not in the region) named after the region's format id
+# and the node, so it is coherent, may use host atomics and robust pthread
+# mutexes, and never crosses hosts. Everything in it is either a lock or a cache
+# that can be rebuilt from the region, so losing it (host reboot) loses nothing.
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.includes.mutex cimport pthread_mutex_t
+from cxlrt.mapping cimport Mapping
+
+
+cdef enum:
+    CXL_LOCAL_LOCK_BYTES = 128
+    CXL_LOCAL_CLASSES = 16
+
+
+ctypedef struct cxl_local_lock:
+    pthread_mutex_t m         # tier 1: one thread of the node competes globally
+    uint32_t holder_pid       # process holding m (0 when free)
+    uint32_t holder_tid       # thread holding m
+    uint32_t global_held      # this node holds the global tier
+    uint32_t pad0
+    uint64_t seq              # manager mode: the request this node holds or waits on
+    uint64_t recovered        # times m was taken over from a dead holder
+
+
+ctypedef struct cxl_local_heap:
+    pthread_mutex_t m         # guards the node's small-object chunks
+    uint32_t holder_pid
+    uint32_t pad0
+    uint64_t current[16]      # per size class: chunk index + 1 being carved, 0 none
+    uint64_t spare[16]        # per size class: an empty chunk kept to avoid churn, +1
+    uint64_t rebuilds         # times the state was rebuilt after a dead holder
+
+
+cdef class NodeLocal:
+    cdef readonly Mapping mapping  # the node-local file
+    cdef readonly str path
+    cdef cxl_local_lock* locks     # CXL_MAX_LOCKS slots, CXL_LOCAL_LOCK_BYTES apart
+    cdef cxl_local_heap* heap

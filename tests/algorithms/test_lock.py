@@ -1,0 +1,153 @@
+"""The two-tier lock, written once, on every backend, in both global modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import cxlrt
+from tests.nodes import _CTX, raise_failures, run_procs
+
+MODES = ["bakery", "manager"]
+
+
+def _counter_worker(spec, node, mode, iters, use_lock, barrier):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("counter", mode=mode)
+    off = r.heap[0]
+    barrier.wait()  # everyone contends from the first increment
+    try:
+        for _ in range(iters):
+            if use_lock:
+                lock.acquire()
+            try:
+                r.flush(off, 8)              # observe
+                v = r.load64(off)
+                r.store64(off, v + 1)
+                r.persist(off, 8)            # publish before release
+            finally:
+                if use_lock:
+                    lock.release()
+    except cxlrt.CoherenceError as e:
+        return e
+    finally:
+        stats = r.stats()
+        r.close()
+    return stats
+
+
+def _setup(backend, mode, nodes=4):
+    r0 = backend.create(nodes=nodes, lock_manager=(mode == "manager"))
+    r0.lock("counter", mode=mode)
+    return r0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mutual_exclusion_4_nodes_2_procs_each(backend, mode):
+    nodes, per_node, iters = 4, 2, 1000
+    r0 = _setup(backend, mode, nodes)
+    barrier = _CTX.Barrier(nodes * per_node)
+    args = [(backend.spec(), n, mode, iters, True, barrier) for n in range(nodes)
+            for _ in range(per_node)]
+    res = raise_failures(run_procs(_counter_worker, args, timeout=240))
+    assert not [e for e in res if isinstance(e, cxlrt.CoherenceError)], res
+    with cxlrt.open(f"file:{backend.path}", node=0) as medium:
+        assert medium.load64(medium.heap[0]) == nodes * per_node * iters
+    acq = r0.lock("counter").acquisitions()
+    assert acq == [per_node * iters] * nodes, acq  # every node got every turn it asked for
+    if backend.faulty:
+        assert sum(s["evictions"] for s in res) > 0
+    r0.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skipping_the_lock_loses_updates(backend, mode, emu_only):
+    """Negative control: the same workload without the lock must fail."""
+    nodes, per_node, iters = 4, 2, 3000
+    r0 = _setup(backend, mode, nodes)
+    barrier = _CTX.Barrier(nodes * per_node)
+    args = [(backend.spec(), n, mode, iters, False, barrier) for n in range(nodes)
+            for _ in range(per_node)]
+    res = run_procs(_counter_worker, args, timeout=240)
+    caught = [e for e in res if isinstance(e, cxlrt.CoherenceError)]
+    with cxlrt.open(f"file:{backend.path}", node=0) as medium:
+        final = medium.load64(medium.heap[0])
+    assert caught or final < nodes * per_node * iters, (final, backend.seed)
+    r0.close()
+
+
+def _timed_worker(spec, node, mode, seconds, barrier):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("fair", mode=mode)
+    barrier.wait()
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        with lock:
+            n += 1
+    r.close()
+    return node, n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_node_starves_under_contention(backend, mode):
+    nodes = 4
+    r0 = backend.create(nodes=nodes, lock_manager=(mode == "manager"))
+    r0.lock("fair", mode=mode)
+    barrier = _CTX.Barrier(nodes)
+    res = raise_failures(run_procs(_timed_worker, [(backend.spec(), n, mode, 1.5, barrier)
+                                                   for n in range(nodes)]))
+    counts = dict(res)
+    print(f"acquisitions per node ({mode}, {backend.name}): {counts}")
+    mean = sum(counts.values()) / nodes
+    assert min(counts.values()) >= 0.2 * mean, counts
+    r0.close()
+
+
+def _hold_and_die(spec, node, mode):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("crash", mode=mode)
+    lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _acquire_after(spec, node, mode, timeout):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("crash", mode=mode)
+    t0 = time.monotonic()
+    ok = lock.acquire(timeout=timeout)
+    waited = time.monotonic() - t0
+    recovered = lock.recovered
+    if ok:
+        lock.release()
+    r.close()
+    return ok, waited, recovered
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("survivor", ["other-node", "same-node"])
+def test_holder_killed_is_recovered_within_the_bound(backend, mode, survivor):
+    lease = 0.5
+    r0 = backend.create(nodes=3, lease=lease, lock_manager=(mode == "manager"))
+    r0.lock("crash", mode=mode)
+    sibling = None
+    if survivor == "same-node":
+        sibling = cxlrt.open(backend.spec(), node=1)  # a live process of the dead one's node
+        sibling.locks  # noqa: B018  (starts its heartbeat, which recovers local holds)
+    p = _CTX.Process(target=_hold_and_die, args=(backend.spec(), 1, mode))
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    waiter = 1 if survivor == "same-node" else 2
+    (ok, waited, recovered), = raise_failures(
+        run_procs(_acquire_after, [(backend.spec(), waiter, mode, 10 * lease + 5)]))
+    assert ok, f"lock not recovered after a holder died ({mode}, {survivor})"
+    bound = lease + 1.5  # lease + heartbeat period + observation slack on a loaded 2-core box
+    assert waited < bound, f"recovery took {waited:.2f}s (bound {bound}s)"
+    if sibling is not None:
+        sibling.close()
+    r0.close()

@@ -52,6 +52,7 @@ MODULES = [
     ("cxlrt.region", "cxlrt/region.pyx"),
     ("cxlrt.nodelocal", "cxlrt/nodelocal.pyx"),
     ("cxlrt.lock", "cxlrt/lock.pyx"),
+    ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),

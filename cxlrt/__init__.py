@@ -6,17 +6,19 @@ Open a region with :func:`cxlrt.open`; see README.md for the memory model.
 from cxlrt.api import format, inspect, open
 from cxlrt.caps import Caps
 from cxlrt.errors import (
-                          ChecksumError,
-                          CoherenceError,
-                          CxlrtError,
-                          LayoutVersionError,
-                          NodeRangeError,
-                          NotARegionError,
-                          OutOfRangeError,
-                          RegionClosedError,
-                          RegionError,
-                          RegionSizeError,
-                          UnsupportedError,
+    ChecksumError,
+    CoherenceError,
+    CxlrtError,
+    InvalidFreeError,
+    LayoutVersionError,
+    NodeRangeError,
+    NotARegionError,
+    OutOfMemory,
+    OutOfRangeError,
+    RegionClosedError,
+    RegionError,
+    RegionSizeError,
+    UnsupportedError,
 )
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
@@ -24,8 +26,8 @@ from cxlrt.spec import parse_size, parse_spec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "LayoutVersionError",
-    "NodeRangeError", "NotARegionError", "OutOfRangeError", "Region", "RegionClosedError",
-    "RegionError", "RegionSizeError", "UnsupportedError", "format", "inspect", "open",
-    "parse_size", "parse_spec",
+    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "InvalidFreeError",
+    "LayoutVersionError", "NodeRangeError", "NotARegionError", "OutOfMemory", "OutOfRangeError",
+    "Region", "RegionClosedError", "RegionError", "RegionSizeError", "UnsupportedError",
+    "format", "inspect", "open", "parse_size", "parse_spec",
 ]

@@ -88,7 +88,7 @@ def _create_file(path: str, size: int, *, exclusive: bool) -> bool:
 
 def open(spec: str, *, node: int, create: bool = False, size: int | str | None = None,
          nodes: int | None = None, wait: float | None = None, lease: float | None = None,
-         lock_manager: bool = False) -> Region:
+         lock_manager: bool = False, observer: bool = False) -> Region:
     """Attach to a region as `node`, formatting it first when asked to create it.
 
     Parameters
@@ -115,6 +115,9 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
         and its lock holds are broken (default 2.0).
     lock_manager : bool
         Start the lock manager (for ``mode="manager"`` locks) in this process.
+    observer : bool
+        Attach without announcing this node (no heartbeat, nothing written):
+        for tools that only read, such as ``cxlrt check``.
 
     Raises
     ------
@@ -141,7 +144,7 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
             region._format(nodes, _sb.new_uuid(), _lease_ms(lease))
         else:
             patience = CREATE_WAIT_S if (create and wait is None) else (wait or 0.0)
-            region._attach(size, nodes, patience)
+            region._attach(size, nodes, patience, observer)
         if lock_manager:
             region.start_lock_manager()
     except BaseException:

@@ -44,7 +44,8 @@ def _print_info(info: dict[str, Any]) -> None:
 
 def cmd_format(args: argparse.Namespace) -> int:
     import cxlrt
-    info = cxlrt.format(args.spec, size=args.size, nodes=args.nodes, force=args.force)
+    info = cxlrt.format(args.spec, size=args.size, nodes=args.nodes, force=args.force,
+                        lease=args.lease)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -60,6 +61,53 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
     else:
         _print_info(info)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from cxlrt import check
+    if args.repair:
+        if args.node is None:
+            print("cxlrt check: error: --repair needs --node N (the dead node to repair)",
+                  file=sys.stderr)
+            return 2
+        done = check.repair(args.spec, args.node, force=args.force)
+        if not args.json:
+            for a in done["actions"] or ["nothing to repair"]:
+                print(f"repair: {a}")
+    report = check.check(args.spec)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        u = report["usage"]
+        print(f"region   {report['spec']}")
+        for n in report["nodes"]:
+            state = ("dead" if n["dead"] else "alive") if n["attached"] else "not attached"
+            print(f"node {n['node']:<3} {state}")
+        print(f"locks    {len(report['locks'])} ({', '.join(x['name'] for x in report['locks'])})")
+        print(f"heap     {u['chunks']} chunks: {u['free_chunks']} free, {u['small_chunks']} small "
+              f"({u['small_objects']} objects), {u['large_chunks']} in {u['large_objects']} "
+              f"large objects; {u['live_bytes']} live bytes")
+        print(f"names    {len(report['directory'])}")
+        for p in report["problems"]:
+            print(f"PROBLEM  {p}")
+        print("clean" if not report["problems"] else f"{len(report['problems'])} problem(s)")
+    return 0 if not report["problems"] else 1
+
+
+def cmd_lockmgr(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    import cxlrt
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with cxlrt.open(args.spec, node=args.node, lock_manager=True):
+        print(f"cxlrt lockmgr: granting manager-mode locks of {args.spec} as node "
+              f"{args.node}; Ctrl-C to stop", file=sys.stderr)
+        while not stop.wait(0.5):
+            pass
     return 0
 
 
@@ -92,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--size", required=True, help="region size: bytes or 64M, 1G, ...")
     f.add_argument("--nodes", type=int, required=True, help="how many nodes may attach (1-64)")
     f.add_argument("--force", action="store_true", help="reformat an existing region (destroys it)")
+    f.add_argument("--lease", type=float, default=None,
+                   help="seconds of silence after which a node is presumed dead and its lock "
+                        "holds are broken (default 2)")
     f.add_argument("--json", action="store_true", help="print the result as JSON")
     f.set_defaults(func=cmd_format)
 
@@ -102,6 +153,28 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("spec", help="region spec, e.g. file:/dev/shm/rack0")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
     i.set_defaults(func=cmd_info)
+
+    c = sub.add_parser("check", help="verify a region's invariants; repair a dead node",
+                       description="Check the chunk table, small-chunk bitmaps, remote-free "
+                                   "queues, locks, directory and node heartbeats. Exit code 0 "
+                                   "when clean, 1 when problems are found. With --repair "
+                                   "--node N, release a dead node's lock holds and reclaim its "
+                                   "empty or leaked chunks first.",
+                       epilog=SPEC_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("spec", help="region spec")
+    c.add_argument("--repair", action="store_true", help="repair the dead node given by --node")
+    c.add_argument("--node", type=int, help="the node to repair")
+    c.add_argument("--force", action="store_true",
+                   help="repair even if the node's heartbeat is fresh (dangerous)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=cmd_check)
+
+    m = sub.add_parser("lockmgr", help="run the lock manager for manager-mode locks",
+                       description="Attach as a node and grant manager-mode locks round-robin "
+                                   "until stopped (SIGINT/SIGTERM). One manager per region.")
+    m.add_argument("spec", help="region spec")
+    m.add_argument("--node", type=int, default=0, help="node id to attach as (default 0)")
+    m.set_defaults(func=cmd_lockmgr)
 
     d = sub.add_parser("demo", help="run the emulated-rack demo (the main job)",
                        description="Format an emulated rack, run nodes as separate processes "

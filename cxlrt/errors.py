@@ -80,3 +80,11 @@ class CoherenceError(CxlrtError):
 def _rebuild_coherence_error(message: str, kind: str, offset: int, node: int,
                              other: int) -> CoherenceError:
     return CoherenceError(message, kind=kind, offset=offset, node=node, other=other)
+
+
+class OutOfMemory(CxlrtError, MemoryError):
+    """The region has no room for the allocation; the region is left consistent."""
+
+
+class InvalidFreeError(CxlrtError, ValueError):
+    """free() of an offset that is not a live allocation (never allocated, or freed twice)."""

@@ -439,18 +439,7 @@ cdef class LockService:
         return cxl_lock_record(&self.L, i)
 
     def _read_header(self, uint32_t i):
-        r = self.region
-        off = self._rec(i)
-        r.flush(off, 64)
-        raw = r.load(off, 64)
-        state = int.from_bytes(raw[0:8], "little")
-        mode = int.from_bytes(raw[8:12], "little")
-        n = int.from_bytes(raw[12:16], "little")
-        if state != CXL_LOCK_READY:
-            return None
-        if n > NAME_BYTES or mode not in MODE_NAMES:
-            raise RegionError(f"lock record {i} is corrupt (mode {mode}, name length {n})")
-        return raw[16:16 + n].decode("utf-8", "replace"), mode
+        return read_header(self.region, i)
 
     def _write_header(self, uint32_t i, bytes name, uint32_t mode):
         """Create record i (lock 0 held, or formatting); state is published last."""
@@ -734,3 +723,44 @@ def builtin_headers(unsigned long long locks_off, int nodes):
                 + len(raw).to_bytes(4, "little") + raw.ljust(48, b"\0"))
         out.append((locks_off + 64 + i * (nodes + 2) * 64, body))
     return out
+
+
+def _ctx_address(LockService svc):
+    """Address of a service's lock context, for sibling modules (same process only)."""
+    return <size_t>&svc.L
+
+
+def _reset_node_line(LockService svc, uint32_t i, uint32_t mode):
+    """Clear this node's line of lock i (repair, running as a dead node). True if busy."""
+    r = svc.region
+    ln = cxl_lock_record(&svc.L, i) + 64 * (1 + svc.L.node)
+    r.flush(ln, 64)
+    raw = r.load(ln, 32)
+    choosing, number, req, rel = (int.from_bytes(raw[k:k + 8], "little") for k in (0, 8, 16, 24))
+    busy = (number or choosing) if mode == CXL_LOCK_BAKERY else req > rel
+    cdef int rc
+    if busy:
+        with nogil:
+            rc = _global_reset(&svc.L, i, mode)
+        _rc(rc, "repair")
+    return bool(busy)
+
+
+def record_offset(region, uint32_t i):
+    """Offset of lock record i in `region` (no LockService needed)."""
+    return region.sections["locks"][0] + 64 + i * (region.nodes + 2) * 64
+
+
+def read_header(region, uint32_t i):
+    """(name, mode) of lock record i, observed, or None if the record is free."""
+    off = record_offset(region, i)
+    region.flush(off, 64)
+    raw = region.load(off, 64)
+    state = int.from_bytes(raw[0:8], "little")
+    mode = int.from_bytes(raw[8:12], "little")
+    n = int.from_bytes(raw[12:16], "little")
+    if state != CXL_LOCK_READY:
+        return None
+    if n > NAME_BYTES or mode not in MODE_NAMES:
+        raise RegionError(f"lock record {i} is corrupt (mode {mode}, name length {n})")
+    return raw[16:16 + n].decode("utf-8", "replace"), mode

@@ -70,7 +70,7 @@ cdef class Region:
         self.dma_write(0, _sb.pack(self.r.size, nodes, uuid, lease_ms=lease_ms)[:8])
         self._adopt(self._read_superblock())
 
-    def _attach(self, size=None, nodes=None, double wait=0.0):
+    def _attach(self, size=None, nodes=None, double wait=0.0, bint observer=False):
         """Validate the superblock (waiting up to `wait` s for a formatter) and bind."""
         deadline = time.monotonic() + wait
         while True:
@@ -89,17 +89,19 @@ cdef class Region:
                               f"formatted for {info['nodes']}")
         _sb.check_node(self.r.node, info["nodes"], self.spec)
         self.backend.bind(info["nodes"], info["uuid"], False)
-        self._adopt(info)
+        self._adopt(info, announce=not observer)
 
     def _read_superblock(self):
         return _sb.unpack(self.dma_read(0, _sb.SB_BYTES), self.r.size, self.spec)
 
-    def _adopt(self, info):
+    def _adopt(self, info, bint announce=True):
         self.nodes = info["nodes"]
         self.uuid = info["uuid"]
         self.lease_ms = info["lease_ms"]
         self.sections = dict(info["sections"])
-        self.heartbeat(attach=True)
+        if announce:
+            self.heartbeat(attach=True)
+            self._announced = True
 
     def heartbeat(self, bint attach=False):
         """Publish this node's liveness (pid, wall clock) in its node area."""
@@ -125,6 +127,15 @@ cdef class Region:
         if self._locks is not None:
             self._locks.close()
             self._locks = None
+        self._heap = None
+        if self._announced and not self.r.closed:
+            # A clean detach: heartbeat 0 reads as "not attached", never as dead.
+            # (Another process of this node that holds locks beats again within
+            # lease/8, so it is not mistaken for a detached node.)
+            area = self.node_area(self.r.node)
+            self.store64(area + 8, 0)
+            self.persist(area, 16)
+            self._announced = False
         self.backend.close()
 
     # --- locks, allocator, directory ------------------------------------------------
@@ -157,6 +168,56 @@ cdef class Region:
     def start_lock_manager(self):
         """Run the lock manager for this region in a background thread of this process."""
         self.locks.start_manager()
+
+    @property
+    def _allocator(self):
+        if self._heap is None:
+            from cxlrt.alloc import Allocator
+            self._heap = Allocator(self)
+        return self._heap
+
+    def alloc(self, nbytes, align=64):
+        """Allocate `nbytes` in the region; returns the offset.
+
+        Objects up to 16 KiB come from this node's size-class chunks without the
+        global lock; larger ones are runs of 64 KiB chunks. `align` is a power of
+        two up to 64 KiB. Raises cxlrt.OutOfMemory when there is no room.
+        """
+        return self._allocator.alloc(nbytes, align)
+
+    def free(self, off):
+        """Free an object allocated by any node; double or invalid frees raise."""
+        self._allocator.free(off)
+
+    def trim(self):
+        """Give this node's empty cached chunks back to the region."""
+        self._allocator.trim()
+
+    def usage(self):
+        """Allocator figures from the region (chunks, live objects and bytes, per node)."""
+        from cxlrt.heapscan import scan
+        return scan(self).usage()
+
+    @property
+    def directory(self):
+        if self._dir is None:
+            from cxlrt.directory import Directory
+            self._dir = Directory(self)
+        return self._dir
+
+    def put(self, name, off):
+        """Name a root object: ``get(name)`` returns `off` on every node."""
+        self.directory.put(name, off)
+
+    def get(self, name):
+        """The offset named `name` (KeyError if absent)."""
+        return self.directory.get(name)
+
+    def delete(self, name):
+        self.directory.delete(name)
+
+    def names(self):
+        return self.directory.names()
 
     def __enter__(self):
         return self

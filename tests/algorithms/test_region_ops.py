@@ -109,12 +109,15 @@ def test_closed_region_raises(backend):
 def test_attach_records_heartbeat(backend):
     backend.create(nodes=3).close()
     r = backend.open(2)
-    r.close()
     info = cxlrt.inspect(backend.spec())
     assert info["nodes"] == 3
     assert info["node_areas"][2]["attaches"] == 1
     assert info["node_areas"][2]["heartbeat_age_s"] is not None
     assert info["node_areas"][1]["heartbeat_age_s"] is None
+    r.close()  # a clean detach clears the heartbeat: never mistaken for a dead node
+    info = cxlrt.inspect(backend.spec())
+    assert info["node_areas"][2]["heartbeat_age_s"] is None
+    assert info["node_areas"][2]["attaches"] == 1
 
 
 # --- several processes ------------------------------------------------------------

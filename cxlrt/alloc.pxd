@@ -1,0 +1,37 @@
+# Region allocator: a global chunk table (written under lock 1) plus per-node
+# small-object chunks whose slot bitmaps only their owner node writes.
+#
+# Invariants:
+#  - table[k] is 0 (free) or names the chunk's kind and owner; it changes only
+#    under the allocator lock, and is published before the chunk is used.
+#  - A small chunk's header and bitmap are written only by its owner node, under
+#    that node's robust heap mutex; other nodes free into the owner's remote-free
+#    queue (under the allocator lock) and the owner applies them.
+#  - Large objects are runs of whole chunks; any node frees them under the lock.
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.backend cimport cxl_region
+from cxlrt.lock cimport cxl_lockctx
+from cxlrt.nodelocal cimport cxl_local_heap
+
+
+cdef enum:
+    CXL_NCLASSES = 9          # 64 B .. 16 KiB
+    CXLRT_E_NOMEM = -1020
+    CXLRT_E_BADFREE = -1021   # not the start of a live object
+    CXLRT_E_DOUBLEFREE = -1022
+    CXLRT_E_QFULL = -1023     # the owner's remote-free queue is full
+    CXLRT_E_CORRUPT = -1024   # a table word or header that cannot be right
+
+
+ctypedef struct cxl_allocctx:
+    cxl_lockctx* L
+    const cxl_region* r
+    cxl_local_heap* heap
+    uint64_t table_off        # chunk table
+    uint64_t rfree_off        # node 0's remote-free queue; 4096 bytes a node
+    uint64_t heap_off         # chunk 0
+    uint64_t nchunks
+    uint32_t node
+    uint32_t nodes
+

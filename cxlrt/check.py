@@ -1,0 +1,130 @@
+"""`cxlrt check`: verify a region's invariants and repair what a dead node left.
+
+Checks: superblock (at attach), node heartbeats, lock records and who holds or
+waits on them, the chunk table against small-chunk headers and bitmaps, the
+remote-free queues, and the directory against live chunks. Repair runs AS the
+dead node (after confirming it is silent past its lease), so every line it
+writes keeps its single writer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import cxlrt
+from cxlrt import heapscan
+from cxlrt.lock import MODE_NAMES, read_header, record_offset
+
+
+def _nodes(region) -> list[dict[str, Any]]:
+    out = []
+    lease_ns = region.lease_ms * 1_000_000
+    now = time.time_ns()
+    for n in range(region.nodes):
+        area = region.node_area(n)
+        region.flush(area, 32)
+        pid, beat = region.load64(area), region.load64(area + 8)
+        age = None if beat == 0 else (now - beat) / 1e9
+        out.append({"node": n, "pid": pid, "heartbeat_age_s": age,
+                    "dead": beat != 0 and now - beat > lease_ns, "attached": beat != 0})
+    return out
+
+
+def _locks(region, nodes) -> tuple[list[dict], list[str]]:
+    found, problems = [], []
+    for i in range(64):
+        try:
+            h = read_header(region, i)
+        except cxlrt.RegionError as e:
+            problems.append(str(e))
+            continue
+        if h is None:
+            continue
+        name, mode = h
+        rec = record_offset(region, i)
+        holders = []
+        for j in range(region.nodes):
+            ln = rec + 64 * (1 + j)
+            region.flush(ln, 64)
+            raw = region.load(ln, 32)
+            choosing, number, req, rel = (int.from_bytes(raw[k:k + 8], "little")
+                                          for k in (0, 8, 16, 24))
+            busy = (number != 0 or choosing != 0) if mode == 1 else req > rel
+            if busy:
+                holders.append(j)
+                if nodes[j]["dead"]:
+                    problems.append(f"lock {name!r}: dead node {j} still holds or waits on it "
+                                    f"(repair with `cxlrt check SPEC --repair --node {j}`)")
+        found.append({"index": i, "name": name, "mode": MODE_NAMES[mode],
+                      "nodes_holding_or_waiting": holders})
+    return found, problems
+
+
+def check(spec: str) -> dict[str, Any]:
+    """Inspect a region; returns a report with ``problems`` (empty when clean)."""
+    with cxlrt.open(spec, node=0, observer=True) as region:
+        nodes = _nodes(region)
+        locks, problems = _locks(region, nodes)
+        s = heapscan.scan(region)
+        problems += s.problems
+        for k, owner in s.uncarved_small:
+            problems.append(f"leak: chunk {k} is marked small for node {owner} but was never "
+                            "carved (a crash mid-carve)")
+        for node, offs in s.queued.items():
+            if nodes[node]["dead"]:
+                problems.append(f"node {node} is dead with {len(offs)} queued remote frees")
+        dead_empty = [(k, o) for k, o in s.empty_small if nodes[o]["dead"]]
+        for k, owner in dead_empty:
+            problems.append(f"leak: empty chunk {k} is held by dead node {owner}")
+        directory = region.directory.items()
+        for name, off in directory:
+            if off >= region.heap[0] and not heapscan.in_live_chunk(s, off):
+                problems.append(f"directory {name!r} -> {off:#x} points into free heap")
+        dead = [n["node"] for n in nodes if n["dead"]]
+        for n in dead:
+            problems.append(f"node {n} is dead: heartbeat {nodes[n]['heartbeat_age_s']:.1f} s "
+                            f"old (lease {region.lease_ms / 1000} s)")
+        return {"spec": spec, "nodes": nodes, "locks": locks, "usage": s.usage(),
+                "directory": dict(directory), "dead_nodes": dead, "problems": problems}
+
+
+def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
+    """Break a dead node's lock holds and reclaim its empty or leaked chunks."""
+    info = cxlrt.inspect(spec)
+    if not 0 <= node < info["nodes"]:
+        raise ValueError(f"--node {node} is out of range (0..{info['nodes'] - 1})")
+    area = info["node_areas"][node]
+    age = area["heartbeat_age_s"]
+    lease = info["lease_ms"] / 1000
+    if not force and age is not None and age <= lease:
+        raise cxlrt.RegionError(
+            f"node {node} is alive (heartbeat {age:.2f} s old, lease {lease} s); repairing "
+            "a live node would give its lines two writers. Pass --force only if you know "
+            "it is gone.")
+    actions = []
+    with cxlrt.open(spec, node=node) as region:  # we ARE node `node` from here on
+        svc = region.locks
+        from cxlrt.lock import _reset_node_line
+        for i in range(64):
+            h = svc._read_header(i)
+            if h is not None and _reset_node_line(svc, i, h[1]):
+                actions.append(f"released node {node}'s hold/request on lock {h[0]!r}")
+        applied = region._allocator.drain()
+        if applied:
+            actions.append(f"applied {applied} queued remote frees")
+        before = heapscan.scan(region)
+        region.trim()
+        for k, owner in before.uncarved_small:
+            if owner == node:
+                region._allocator.release_chunk(k)
+                actions.append(f"reclaimed chunk {k} (carve interrupted)")
+        after = heapscan.scan(region)
+        freed = (after.free_chunks - before.free_chunks)
+        if freed:
+            actions.append(f"returned {freed} chunk(s) of node {node} to the region")
+        kept = after.by_node.get(node, {})
+        if kept.get("live_bytes"):
+            actions.append(f"kept node {node}'s {kept['live_bytes']} bytes of live objects "
+                           "(any node may still free them)")
+    return {"node": node, "actions": actions}

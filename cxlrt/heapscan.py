@@ -1,0 +1,145 @@
+"""Read-only walks of the allocator's metadata: usage figures and consistency checks.
+
+Everything here observes (flush, then load) through a Region, so it sees what
+other nodes published; it never writes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from cxlrt.alloc import class_geometry, table_word
+
+CHUNK = 65536
+KIND = {1: "small", 2: "large", 3: "tail"}
+SMALL_MAGIC = 0x534D4C43
+RFREE_BYTES = 4096
+RFREE_SLOTS = 504
+
+
+@dataclass
+class HeapScan:
+    """What the chunk table, small-chunk headers and bitmaps say."""
+
+    nchunks: int = 0
+    free_chunks: int = 0
+    small_chunks: int = 0
+    large_chunks: int = 0
+    small_objects: int = 0
+    small_bytes: int = 0
+    large_objects: int = 0
+    large_bytes: int = 0
+    by_node: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+    empty_small: list = field(default_factory=list)      # (chunk, owner)
+    uncarved_small: list = field(default_factory=list)   # (chunk, owner): carve interrupted
+    live_ranges: list = field(default_factory=list)      # (start, end) of live chunks
+    queued: dict = field(default_factory=dict)           # node -> [offsets]
+
+    def usage(self) -> dict:
+        return {"chunk_bytes": CHUNK, "chunks": self.nchunks, "free_chunks": self.free_chunks,
+                "small_chunks": self.small_chunks, "large_chunks": self.large_chunks,
+                "small_objects": self.small_objects, "small_bytes": self.small_bytes,
+                "large_objects": self.large_objects, "large_bytes": self.large_bytes,
+                "live_bytes": self.small_bytes + self.large_bytes,
+                "free_bytes": self.free_chunks * CHUNK, "by_node": self.by_node}
+
+
+def _table(region):
+    alloc_off, _ = region.sections["alloc"]
+    heap_off, heap_len = region.sections["heap"]
+    n = heap_len // CHUNK
+    region.flush(alloc_off, n * 8)
+    raw = region.load(alloc_off, n * 8)
+    return alloc_off, heap_off, n, struct.unpack(f"<{n}Q", raw)
+
+
+def scan(region) -> HeapScan:
+    """Walk the chunk table and every small chunk; collect figures and problems."""
+    alloc_off, heap_off, n, words = _table(region)
+    geo = class_geometry()
+    s = HeapScan(nchunks=n)
+    node_stats = {i: {"small_chunks": 0, "large_chunks": 0, "live_bytes": 0}
+                  for i in range(region.nodes)}
+    k = 0
+    while k < n:
+        w = words[k]
+        if w == 0:
+            s.free_chunks += 1
+            k += 1
+            continue
+        kind, owner, low = table_word(w)
+        where = f"chunk {k} (offset {heap_off + k * CHUNK:#x})"
+        if owner >= region.nodes:
+            s.problems.append(f"{where}: owner node {owner} does not exist")
+            k += 1
+            continue
+        if kind == 2:  # large head
+            if low == 0 or k + low > n:
+                s.problems.append(f"{where}: large run of {low} chunks overruns the heap")
+                k += 1
+                continue
+            tails_ok = all(words[k + i] == ((3 << 62) | (owner << 48) | k) for i in range(1, low))
+            if not tails_ok:
+                s.problems.append(f"{where}: large run of {low} chunks has broken tail words")
+            s.large_chunks += low
+            s.large_objects += 1
+            s.large_bytes += low * CHUNK
+            node_stats[owner]["large_chunks"] += low
+            node_stats[owner]["live_bytes"] += low * CHUNK
+            s.live_ranges.append((heap_off + k * CHUNK, heap_off + (k + low) * CHUNK))
+            k += low
+            continue
+        if kind == 3:
+            s.problems.append(f"{where}: tail word without its large head")
+            k += 1
+            continue
+        if kind != 1 or low >= len(geo):
+            s.problems.append(f"{where}: table word {w:#018x} is not valid")
+            k += 1
+            continue
+        size, nslots, start = geo[low]
+        base = heap_off + k * CHUNK
+        words_n = (nslots + 63) // 64
+        region.flush(base, 64 + words_n * 8)
+        hdr = region.load(base, 24)
+        magic, cls, owner_slots, data_start = struct.unpack_from("<IIQQ", hdr)
+        s.small_chunks += 1
+        node_stats[owner]["small_chunks"] += 1
+        if magic != SMALL_MAGIC:
+            s.uncarved_small.append((k, owner))
+            k += 1
+            continue
+        if cls != size or (owner_slots & 0xFFFFFFFF) != owner or owner_slots >> 32 != nslots \
+                or data_start != start:
+            s.problems.append(f"{where}: small-chunk header disagrees with the table")
+        bitmap = struct.unpack(f"<{words_n}Q", region.load(base + 64, words_n * 8))
+        live = sum(bin(x).count("1") for x in bitmap)
+        extra = nslots % 64
+        if extra and bitmap[-1] >> extra:
+            s.problems.append(f"{where}: bitmap has bits set past its {nslots} slots")
+        if live == 0:
+            s.empty_small.append((k, owner))
+        s.small_objects += live
+        s.small_bytes += live * size
+        node_stats[owner]["live_bytes"] += live * size
+        s.live_ranges.append((base, base + CHUNK))
+        k += 1
+    s.by_node = node_stats
+    rfree = alloc_off + (n * 8 + 4095) // 4096 * 4096
+    for node in range(region.nodes):
+        q = rfree + node * RFREE_BYTES
+        region.flush(q, RFREE_BYTES)
+        count = region.load64(q)
+        if count > RFREE_SLOTS:
+            s.problems.append(f"node {node}'s remote-free queue claims {count} entries "
+                              f"(at most {RFREE_SLOTS})")
+            continue
+        if count:
+            s.queued[node] = list(struct.unpack(f"<{count}Q", region.load(q + 64, count * 8)))
+    return s
+
+
+def in_live_chunk(scan_result: HeapScan, off: int) -> bool:
+    return any(a <= off < b for a, b in scan_result.live_ranges)

@@ -192,7 +192,11 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     if rc != 0:
         return rc
     base = _chunk_off(A, k)
-    # The chunk is ours now: zero its bitmap and write the header, magic last.
+    # The chunk is ours now: drop any copy of its lines we kept from an earlier
+    # life, zero its bitmap and write the header, magic last.
+    rc = cxl_flush(A.r, base, 64 + ((CLASS_SLOTS[c] + 63) // 64) * 8)
+    if rc != 0:
+        return rc
     for i in range(0, (CLASS_SLOTS[c] + 63) // 64):
         rc = cxl_store64(A.r, base + 64 + i * 8, 0)
         if rc != 0:
@@ -221,7 +225,11 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
     rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
     if rc != 0:
         return rc
-    rc = _table_set(A, k, 0)
+    # Observe the whole line first: its other words belong to other chunks, and a
+    # write-back of a stale copy would revert their owners' updates.
+    rc = cxl_flush(A.r, A.table_off + k * 8, 8)
+    if rc == 0:
+        rc = _table_set(A, k, 0)
     if rc == 0:
         rc = cxl_persist(A.r, A.table_off + k * 8, 8)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
@@ -317,21 +325,29 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     rc = 1
     if h.current[c]:
         rc = _take_slot(A, h.current[c] - 1, c, out)
-    if rc == 1:
+    if rc == 1:  # another chunk of ours with room (maybe after applying remote frees)
         rc = _scan_own(A, c, h.current[c] - 1 if h.current[c] else <uint64_t>-1, &k)
         if rc == 1:
             rc = _drain_locked(A, &applied)
             if rc == 0:
                 rc = _scan_own(A, c, <uint64_t>-1, &k) if applied else 1
-        if rc == 1 and h.spare[c]:
-            k = h.spare[c] - 1
-            h.spare[c] = 0
-            rc = 0
-        if rc == 1:
-            rc = _carve(A, c, &k)
+        if rc == 0:
+            if h.spare[c] == k + 1:
+                h.spare[c] = 0
+            h.current[c] = k + 1
+            rc = _take_slot(A, k, c, out)
+    if rc == 1 and h.spare[c]:  # the empty chunk we kept
+        k = h.spare[c] - 1
+        h.spare[c] = 0
+        h.current[c] = k + 1
+        rc = _take_slot(A, k, c, out)
+    if rc == 1:  # a fresh chunk from the table
+        rc = _carve(A, c, &k)
         if rc == 0:
             h.current[c] = k + 1
             rc = _take_slot(A, k, c, out)
+            if rc == 1:
+                rc = CXLRT_E_CORRUPT  # a chunk we just zeroed cannot be full
     cxl_mutex_unlock(&h.m)
     return rc
 
@@ -385,6 +401,8 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         n = _low(w)
         if rc == 0 and (n == 0 or k + n > A.nchunks):
             rc = CXLRT_E_CORRUPT
+        if rc == 0:  # observe every line we are about to rewrite (see _release_chunk)
+            rc = cxl_flush(A.r, A.table_off + k * 8, n * 8)
         if rc == 0:
             for i in range(n):
                 rc = _table_set(A, k + i, 0)
@@ -610,3 +628,44 @@ def table_word(uint64_t w):
 def class_geometry():
     """[(size, nslots, data_start)] of every size class."""
     return [(CLASS_SIZE[i], CLASS_SLOTS[i], CLASS_DATA[i]) for i in range(CXL_NCLASSES)]
+
+
+cdef extern from "<stdlib.h>" nogil:
+    void* malloc(size_t n)
+    void free "free"(void* p)
+
+
+def alloc_free_bench(Allocator a, uint64_t nbytes, uint64_t iters):
+    """perf/: `iters` x (alloc, free) of `nbytes` in one nogil loop; returns iters."""
+    cdef uint64_t i, off = 0, n = nbytes
+    cdef uint32_t c = 0
+    cdef int rc = 0
+    cdef bint small = n <= MAX_CLASS
+    if small:
+        while CLASS_SIZE[c] < n:
+            c += 1
+    with nogil:
+        for i in range(iters):
+            rc = cxl_alloc_small(&a.A, c, &off) if small else cxl_alloc_large(&a.A, n, &off)
+            if rc != 0:
+                break
+            rc = cxl_free(&a.A, off)
+            if rc != 0:
+                break
+    if rc != 0:
+        a._raise(rc, "alloc_free_bench")
+    return iters
+
+
+def malloc_free_bench(uint64_t nbytes, uint64_t iters):
+    """Baseline for perf/: `iters` x (malloc, touch, free) from glibc in one nogil loop."""
+    cdef uint64_t i
+    cdef char* p
+    with nogil:
+        for i in range(iters):
+            p = <char*>malloc(nbytes)
+            if p == NULL:
+                break
+            p[0] = 1  # the compiler may not elide the pair
+            free(p)
+    return iters

@@ -14,7 +14,8 @@
 #  - No cross-node read-modify-write exists here, by design (DESIGN.md rule 2).
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_load64_volatile,
+from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_fence_release, cxl_fence_sc,
+                                    cxl_load64_volatile,
                                     cxl_store64_volatile, likely, unlikely)
 from libc.string cimport memcpy
 
@@ -165,9 +166,13 @@ cdef inline int cxl_fence(const cxl_region* r) noexcept nogil:
     if unlikely(r.closed):
         return CXLRT_E_CLOSED
     if r.flags & CXL_F_DIRECT:
-        # On a direct mapping the hardware fence is the whole job; it pairs with
-        # the flushes issued before it (cxl_flush_nodrain) and with the reader's
-        # observe (flush, load) on the other node.
+        if r.flags & CXL_F_NOFLUSH:
+            # Coherent memory, no flushes to drain: only store->load order is
+            # left to enforce, and a locked RMW does that cheaper than mfence.
+            cxl_fence_sc()
+            return 0
+        # Non-coherent direct mapping: mfence also completes the flushes issued
+        # before it (cxl_flush_nodrain); it pairs with the reader's observe.
         cxl_fence_full()
         return 0
     return r.ops.fence(r.ctx)
@@ -179,6 +184,19 @@ cdef inline int cxl_persist(const cxl_region* r, uint64_t off, uint64_t n) noexc
     if unlikely(rc != 0):
         return rc
     return cxl_fence(r)
+
+
+cdef inline int cxl_publish(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Flush [off, off+n) ordered after every earlier store, but not before later loads.
+
+    Enough when the next thing that matters is another store (a release): on a
+    coherent direct mapping it is a compiler barrier on x86 (TSO), on anything
+    else a full persist. Use cxl_persist when later loads must see it first.
+    """
+    if (r.flags & CXL_F_DIRECT) and (r.flags & CXL_F_NOFLUSH) and not r.closed:
+        cxl_fence_release()
+        return 0
+    return cxl_persist(r, off, n)
 
 
 cdef inline int cxl_dma_read(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:

@@ -13,18 +13,16 @@ import time
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_region,
-                            cxl_store64)
-from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_wall_ns, unlikely
-from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_trylock, cxl_mutex_unlock,
-                                   pthread_mutex_t)
+from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_publish,
+                            cxl_region, cxl_store64)
+from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
+from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
+                                   cxl_mutex_unlock, pthread_mutex_t)
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
+from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
 
 from cxlrt.errors import CxlrtError, RegionError
-
-cdef extern from "<unistd.h>" nogil:
-    int getpid()
 
 cdef extern from "cxl_intrin.h" nogil:
     uint32_t cxl_thread_id()
@@ -92,13 +90,13 @@ cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil:
 # --- bakery -----------------------------------------------------------------------
 
 cdef int _bakery_withdraw(cxl_lockctx* L, uint32_t id) noexcept nogil:
-    """Leave the bakery: ticket 0, not choosing, published."""
+    """Leave the bakery: ticket 0, not choosing, published (a release: store order suffices)."""
     cdef uint64_t me = _line(L, id, L.node)
     cdef int rc = cxl_store64(L.r, me, 0)
     if rc == 0:
         rc = cxl_store64(L.r, me + 8, 0)
     if rc == 0:
-        rc = cxl_persist(L.r, me, 64)
+        rc = cxl_publish(L.r, me, 64)
     return rc
 
 
@@ -123,11 +121,11 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     ticket = mx + 1
     if rc == 0:
         rc = cxl_store64(r, me + 8, ticket)
-    if rc == 0:  # the ticket is published before choosing drops (two persists)
-        rc = cxl_persist(r, me, 64)
+    if rc == 0:  # the ticket is published before choosing drops (store-store order)
+        rc = cxl_publish(r, me, 64)
     if rc == 0:
         rc = cxl_store64(r, me, 0)
-    if rc == 0:
+    if rc == 0:  # full: our ticket must be visible before we read the others'
         rc = cxl_persist(r, me, 64)
     if rc != 0:
         _bakery_withdraw(L, id)
@@ -137,12 +135,14 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
             continue
         ln = _line(L, id, j)
         spins = 0
-        next_check = cxl_now_ns() + DEAD_CHECK_NS
+        next_check = 0  # read the clock only once we actually wait
         while True:  # wait while j is choosing
             rc = _observe64(r, ln, &v)
             if rc != 0 or v == 0:
                 break
-            if cxl_now_ns() > next_check:
+            if next_check == 0:
+                next_check = cxl_now_ns() + DEAD_CHECK_NS
+            elif cxl_now_ns() > next_check:
                 if cxl_node_dead(L, j):
                     break
                 next_check = cxl_now_ns() + DEAD_CHECK_NS
@@ -154,7 +154,9 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
             rc = _observe64(r, ln + 8, &v)
             if rc != 0 or v == 0 or v > ticket or (v == ticket and j > L.node):
                 break
-            if cxl_now_ns() > next_check:
+            if next_check == 0:
+                next_check = cxl_now_ns() + DEAD_CHECK_NS
+            elif cxl_now_ns() > next_check:
                 if cxl_node_dead(L, j):
                     break
                 next_check = cxl_now_ns() + DEAD_CHECK_NS
@@ -276,10 +278,14 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
                           int* recovered) noexcept nogil:
     """Take lock `id`: the node-local robust mutex, then the global tier."""
     cdef cxl_local_lock* s = _slot(L, id)
-    cdef uint64_t t0 = cxl_now_ns()
-    cdef uint64_t deadline = t0 + timeout_ns if timeout_ns < (<uint64_t>1 << 62) else <uint64_t>-1
-    cdef int rc = cxl_mutex_timedlock(&s.m, timeout_ns if timeout_ns < (<uint64_t>1 << 62)
-                                      else <uint64_t>1 << 62)
+    cdef uint64_t deadline = <uint64_t>-1
+    cdef int rc
+    if timeout_ns < (<uint64_t>1 << 62):
+        deadline = cxl_now_ns() + timeout_ns
+    rc = cxl_mutex_trylock(&s.m)  # uncontended: no clock read, no timed wait
+    if rc < 0:
+        rc = cxl_mutex_timedlock(&s.m, timeout_ns if timeout_ns < (<uint64_t>1 << 62)
+                                 else <uint64_t>1 << 62)
     if rc == -110:  # ETIMEDOUT
         return CXLRT_E_TIMEOUT
     if rc < 0:
@@ -290,7 +296,7 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         recovered[0] = 1
         _global_reset(L, id, mode)
         s.global_held = 0
-    s.holder_pid = <uint32_t>getpid()
+    s.holder_pid = <uint32_t>cxl_pid()
     s.holder_tid = cxl_thread_id()
     if mode == CXL_LOCK_BAKERY:
         rc = _bakery_acquire(L, id, deadline)
@@ -624,7 +630,7 @@ cdef class Lock:
         cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
         cdef uint64_t t = <uint64_t>-1 if timeout is None else <uint64_t>(max(0.0, timeout) * 1e9)
         cdef int rc, rec = 0
-        if s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>getpid():
+        if s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is already held by this thread "
                                "(cxlrt locks are not re-entrant)")
         self.svc.region.backend.region()  # raises if the region is closed
@@ -641,7 +647,7 @@ cdef class Lock:
         """Release; LeaseLost if this node went silent past its lease while holding."""
         cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
         cdef int rc
-        if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>getpid():
+        if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is not held by this thread")
         with nogil:
             rc = cxl_lock_release(&self.svc.L, self.index, self._mode)
@@ -674,7 +680,7 @@ cdef class Lock:
 
     def held_by_me(self):
         cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
-        return s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>getpid()
+        return s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>cxl_pid()
 
     def acquisitions(self):
         """Global acquisitions per node, as published on each node's line."""
@@ -764,3 +770,24 @@ def read_header(region, uint32_t i):
     if n > NAME_BYTES or mode not in MODE_NAMES:
         raise RegionError(f"lock record {i} is corrupt (mode {mode}, name length {n})")
     return raw[16:16 + n].decode("utf-8", "replace"), mode
+
+
+def mutex_bench(Mapping m, unsigned long long offset, uint64_t iters):
+    """Baseline for perf/: `iters` x lock/unlock of the pthread mutex at m.base + offset.
+
+    Initialise it first with cxlrt.shm.init_robust_mutexes (process-shared, robust).
+    """
+    cdef pthread_mutex_t* mu = <pthread_mutex_t*>(m.base + offset)
+    cdef uint64_t i
+    cdef int rc = 0
+    if offset + sizeof(pthread_mutex_t) > m.size:
+        raise ValueError("mutex outside the mapping")
+    with nogil:
+        for i in range(iters):
+            rc = cxl_mutex_lock(mu)
+            if rc < 0:
+                break
+            cxl_mutex_unlock(mu)
+    if rc < 0:
+        raise OSError(-rc, "pthread_mutex_lock failed")
+    return iters

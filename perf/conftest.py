@@ -14,11 +14,21 @@ to it. Rows go through :class:`Bench` (fixture ``bench``), which fills
     0.97x means 97 % of the baseline's throughput.
 ``ops``
     operations per call (cost groups): ratio = time / baseline time, so 4x means
-    four times the baseline's cost; ns/op is reported too.
+    four times the baseline's cost; ns/op is reported too. Rows of one group may
+    do different numbers of ops per call (a slow row loops fewer times): every
+    ratio compares time per op.
+``op``
+    optional name of one op in the summary (``"pair"`` prints ns/pair).
+``rate``
+    with ``ops``: the ops are counted as a rate (``"handoffs"``), so the group is
+    a throughput group (ratio = baseline time per op / time per op) and the row
+    reports ops per second.
 ``target``
-    optional ``{"min_ratio": x}`` or ``{"max_ns_per_op": y}``; reported, never asserted.
-``paired_label``, ``paired_baseline_s``
-    the baseline re-run just before each timed round (see :meth:`Bench.run`).
+    optional ``{"min_ratio": x}``, ``{"max_ratio": x}`` or ``{"max_ns_per_op": y}``;
+    reported, never asserted.
+``paired_label``, ``paired_baseline_s``, ``paired_ops``
+    the baseline re-run just before each timed round, and its ops per call when
+    they differ from the row's (see :meth:`Bench.run`).
 
 Before pytest-benchmark writes ``--benchmark-json`` this file adds to each row:
 
@@ -30,7 +40,7 @@ Before pytest-benchmark writes ``--benchmark-json`` this file adds to each row:
     seconds earlier or later; on a shared machine they drift by +-15 %.
 ``ratio_paired_min``
     min over rounds of the paired baseline against the row's min.
-``gb_per_s``, ``ns_per_op`` (and ``_median``)
+``gb_per_s``, ``ns_per_op``, ``per_s`` (and ``_median``)
     from the row's min (median) round.
 ``target_met``
     the target verdict.
@@ -50,8 +60,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import cxlrt
+from cxlrt import nodelocal
 
 REGION_SIZE = "256M"
+SMALL_REGION_SIZE = "64M"  # lock and allocator benchmarks (small_regions)
 NODES = 4
 
 SPECS = {
@@ -61,7 +73,7 @@ SPECS = {
     "emu": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0",
     "emu-check": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=1",
 }
-LABELS = {"file": "file", "emu": "emu", "emu-check": "emu check=1"}
+LABELS = {"file": "file", "emu": "emu", "emu-check": "emu check=1"}  # others: the case as is
 
 _ROWS = pytest.StashKey[list]()
 
@@ -70,19 +82,43 @@ _ROWS = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="session")
-def regions() -> Iterator[Callable[[str], cxlrt.Region]]:
-    """``regions(kind)``: node 0 of a fresh region of that kind (see SPECS), opened once.
-
-    The regions live in a private directory under /dev/shm; the region files and
-    the emulation's ``.emu`` sidecars are removed at the end of the session.
-    """
+def perf_dir() -> Iterator[str]:
+    """The session's private directory under /dev/shm, removed at the end."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="cxlrt-perf-", dir=shm)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _discard(region: cxlrt.Region, path: str) -> None:
+    """Close a region and delete every file it left: the region, the `.emu`
+    sidecar, and the node-local files of its lock service (all nodes, since
+    forked benchmark processes attach as other nodes)."""
+    uuid, nodes = region.uuid, region.nodes
+    try:
+        region.close()
+    finally:
+        for p in (path, path + ".emu"):
+            if os.path.exists(p):
+                os.unlink(p)
+        nodelocal.remove_files(uuid, nodes)
+
+
+@pytest.fixture(scope="session")
+def regions(perf_dir: str) -> Iterator[Callable[[str], cxlrt.Region]]:
+    """``regions(kind)``: node 0 of a fresh region of that kind (see SPECS), opened once.
+
+    The regions live in a private directory under /dev/shm; the region files, the
+    emulation's ``.emu`` sidecars and any node-local lock files are removed at
+    the end of the session.
+    """
     opened: dict[str, cxlrt.Region] = {}
 
     def get(kind: str) -> cxlrt.Region:
         if kind not in opened:
-            spec = SPECS[kind].format(path=os.path.join(root, kind))
+            spec = SPECS[kind].format(path=os.path.join(perf_dir, kind))
             opened[kind] = cxlrt.open(spec, node=0, create=True, size=REGION_SIZE, nodes=NODES)
         return opened[kind]
 
@@ -90,12 +126,35 @@ def regions() -> Iterator[Callable[[str], cxlrt.Region]]:
         yield get
     finally:
         for kind, region in opened.items():
-            region.close()
-            path = os.path.join(root, kind)
-            for p in (path, path + ".emu"):
-                if os.path.exists(p):
-                    os.unlink(p)
-        shutil.rmtree(root, ignore_errors=True)
+            _discard(region, os.path.join(perf_dir, kind))
+
+
+@pytest.fixture(scope="session")
+def small_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
+    """``small_regions(kind, lock_manager=False)``: node 0 of a fresh 64 MiB region.
+
+    For the lock and allocator benchmarks. They get regions of their own because
+    test_dma.py copies raw bytes over the start of the ``regions`` heap, where the
+    allocator would put its chunks. ``lock_manager=True`` opens a separate region
+    whose lock manager runs in a thread of this process. Everything is removed at
+    the end of the session, node-local files included.
+    """
+    opened: dict[str, tuple[cxlrt.Region, str]] = {}
+
+    def get(kind: str, *, lock_manager: bool = False) -> cxlrt.Region:
+        name = f"small-{kind}" + ("-mgr" if lock_manager else "")
+        if name not in opened:
+            path = os.path.join(perf_dir, name)
+            region = cxlrt.open(SPECS[kind].format(path=path), node=0, create=True,
+                                size=SMALL_REGION_SIZE, nodes=NODES, lock_manager=lock_manager)
+            opened[name] = (region, path)
+        return opened[name][0]
+
+    try:
+        yield get
+    finally:
+        for region, path in opened.values():
+            _discard(region, path)
 
 
 class Bench:
@@ -111,7 +170,9 @@ class Bench:
     With ``paired=(label, baseline_fn)`` the baseline is also run, and timed
     here, just before every round: each round then has a partner measured a few
     milliseconds apart, and the ratio is taken per round, which cancels the
-    slow drift of a shared machine that separate baseline rows cannot.
+    slow drift of a shared machine that separate baseline rows cannot. When the
+    baseline does a different number of ops per call than the row, pass
+    ``paired=(label, baseline_fn, baseline_ops)``: ratios then compare time per op.
     """
 
     def __init__(self, benchmark):
@@ -120,16 +181,16 @@ class Bench:
 
     def describe(self, group: str, case: str, baseline: str | None = None, **info) -> None:
         self.benchmark.group = group
-        self.extra_info["label"] = baseline or LABELS[case]
+        self.extra_info["label"] = baseline or LABELS.get(case, case)
         if baseline:
             self.extra_info["baseline"] = True
         self.extra_info.update({k: v for k, v in info.items() if v is not None})
 
     def run(self, fn: Callable[[], object], *, rounds: int, warmup: int,
-            paired: tuple[str, Callable[[], object]] | None = None) -> object:
+            paired: tuple | None = None) -> object:
         if paired is None:
             return self.benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup)
-        label, baseline_fn = paired
+        label, baseline_fn, *ops = paired
         times: list[float] = []
 
         def setup() -> None:  # untimed by pytest-benchmark: we time it
@@ -140,6 +201,8 @@ class Bench:
         result = self.benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=warmup)
         self.extra_info["paired_label"] = label
         self.extra_info["paired_baseline_s"] = times[warmup:]  # one per timed round
+        if ops:
+            self.extra_info["paired_ops"] = ops[0]
         return result
 
 
@@ -174,9 +237,18 @@ def _groups(rows: list) -> dict[str, list]:
     return dict(sorted(out.items()))
 
 
+def _throughput(info: dict) -> bool:
+    return "bytes" in info or "rate" in info
+
+
 def _ratio(info: dict, base_s: float, row_s: float) -> float:
     """Throughput rows: base/row (higher is better). Cost rows: row/base (lower is better)."""
-    return base_s / row_s if "bytes" in info else row_s / base_s
+    return base_s / row_s if _throughput(info) else row_s / base_s
+
+
+def _per_row_ops(info: dict, base_ops) -> float:
+    """Factor that scales a baseline time to the row's ops per call (1 if not given)."""
+    return info["ops"] / base_ops if base_ops and "ops" in info else 1.0
 
 
 def _annotate(rows: list) -> None:
@@ -191,18 +263,26 @@ def _annotate(rows: list) -> None:
             if "ops" in info:
                 info["ns_per_op"] = st.min / info["ops"] * 1e9
                 info["ns_per_op_median"] = st.median / info["ops"] * 1e9
+                if "rate" in info:
+                    info["per_s"] = info["ops"] / st.min
+                    info["per_s_median"] = info["ops"] / st.median
             if base is not None and row is not base:
-                info["ratio_row"] = _ratio(info, base.stats.min, st.min)
-                info["ratio_row_median"] = _ratio(info, base.stats.median, st.median)
+                k = _per_row_ops(info, base.extra_info.get("ops"))
+                info["ratio_row"] = _ratio(info, base.stats.min * k, st.min)
+                info["ratio_row_median"] = _ratio(info, base.stats.median * k, st.median)
                 info["ratio"] = info["ratio_row"]
             paired = info.get("paired_baseline_s")
             if paired and len(paired) == len(st.data):
+                k = _per_row_ops(info, info.get("paired_ops"))
+                paired = [b * k for b in paired]
                 per_round = [_ratio(info, b, t) for b, t in zip(paired, st.data, strict=True)]
                 info["ratio"] = statistics.median(per_round)
                 info["ratio_paired_min"] = _ratio(info, min(paired), st.min)
             target = info.get("target") or {}
             if "min_ratio" in target and "ratio" in info:
                 info["target_met"] = info["ratio"] >= target["min_ratio"]
+            if "max_ratio" in target and "ratio" in info:
+                info["target_met"] = info["ratio"] <= target["max_ratio"]
             if "max_ns_per_op" in target and "ns_per_op" in info:
                 info["target_met"] = info["ns_per_op"] < target["max_ns_per_op"]
 
@@ -214,29 +294,39 @@ def pytest_sessionfinish(session: pytest.Session):
     return (yield)
 
 
+def _x(ratio: float) -> str:
+    """A ratio for the summary: two decimals, or two significant digits below 0.1."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
 def _line(group: str, row, base) -> str:
     info = row.extra_info
     head = f"{group} {info.get('label', row.name)}: "
-    kind = "throughput" if "bytes" in info else "time"
+    kind = "throughput" if "bytes" in info else "rate" if "rate" in info else "time"
     if row is base:
         text = "baseline"
     elif "paired_label" in info and "ratio" in info:
-        text = f"{info['ratio']:.2f}x {info['paired_label']} {kind} (paired rounds"
+        text = f"{_x(info['ratio'])} {info['paired_label']} {kind} (paired rounds"
         if "ratio_row" in info:
-            text += f"; {info['ratio_row']:.2f}x the baseline row"
+            text += f"; {_x(info['ratio_row'])} the baseline row"
         text += ")"
     elif "ratio" in info:
-        text = (f"{info['ratio']:.2f}x {base.extra_info.get('label', base.name)} {kind} "
-                f"(median {info['ratio_row_median']:.2f}x)")
+        text = (f"{_x(info['ratio'])} {base.extra_info.get('label', base.name)} {kind} "
+                f"(median {_x(info['ratio_row_median'])})")
     else:
         text = "no baseline in this run"
     if "gb_per_s" in info:
         text += f", {info['gb_per_s']:.2f} GB/s (median {info['gb_per_s_median']:.2f})"
-    if "ns_per_op" in info:
-        text += f", {info['ns_per_op']:.1f} ns/op (median {info['ns_per_op_median']:.1f})"
+    if "per_s" in info:
+        text += (f", {info['per_s']:,.0f} {info['rate']}/s "
+                 f"(median {info['per_s_median']:,.0f})")
+    elif "ns_per_op" in info:
+        unit = f"ns/{info.get('op', 'op')}"
+        text += f", {info['ns_per_op']:.1f} {unit} (median {info['ns_per_op_median']:.1f})"
     target = info.get("target") or {}
     if "target_met" in info:
         want = (f">= {target['min_ratio']:.2f}x" if "min_ratio" in target
+                else f"<= {target['max_ratio']:.2f}x" if "max_ratio" in target
                 else f"< {target['max_ns_per_op']} ns/op")
         text += f"  [target {want}: {'met' if info['target_met'] else 'MISSED'}]"
     return head + text

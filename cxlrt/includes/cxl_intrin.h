@@ -22,6 +22,7 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <sched.h>
+#include <pthread.h>
 
 #define CXL_LINE 64
 
@@ -42,6 +43,14 @@ static inline void cxl_clflushopt(const void *p) { _mm_clflush(p); }
 
 static inline void cxl_fence_full(void) { _mm_mfence(); }
 static inline void cxl_fence_drain(void) { _mm_sfence(); }
+/* x86 is TSO: stores are never reordered with older stores, so ordering a
+ * publication after earlier stores needs only the compiler to keep the order. */
+static inline void cxl_fence_release(void) { __asm__ volatile("" ::: "memory"); }
+/* Store->load ordering for ordinary write-back memory: a locked RMW on our own
+ * stack line is a full barrier for plain loads and stores and costs less than
+ * mfence (Linux uses it for smp_mb on x86-64). Not a drain for clflushopt or
+ * non-temporal stores: those still need cxl_fence_full. */
+static inline void cxl_fence_sc(void) { __asm__ volatile("lock; addl $0,-4(%%rsp)" ::: "memory", "cc"); }
 static inline void cxl_cpu_relax(void) { _mm_pause(); }
 
 #elif defined(__aarch64__)
@@ -62,6 +71,8 @@ static inline void cxl_clflushopt(const void *p)
 /* DSB, not DMB: the fence must also wait for earlier DC CIVAC to complete, so
  * flush_nodrain + fence publishes as clflushopt + mfence does on x86. */
 static inline void cxl_fence_full(void) { __asm__ volatile("dsb ish" ::: "memory"); }
+static inline void cxl_fence_release(void) { __asm__ volatile("dmb ish" ::: "memory"); }
+static inline void cxl_fence_sc(void) { __asm__ volatile("dmb ish" ::: "memory"); }
 static inline void cxl_fence_drain(void) { __asm__ volatile("dsb ish" ::: "memory"); }
 static inline void cxl_cpu_relax(void) { __asm__ volatile("yield" ::: "memory"); }
 
@@ -73,6 +84,8 @@ static inline void cxl_clflush(const void *p) { (void)p; __atomic_thread_fence(_
 static inline void cxl_clflushopt(const void *p) { (void)p; }
 static inline void cxl_fence_full(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void cxl_fence_drain(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void cxl_fence_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+static inline void cxl_fence_sc(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void cxl_cpu_relax(void) { }
 #endif
 
@@ -113,14 +126,38 @@ static inline uint64_t cxl_atomic_load_relaxed64(const uint64_t *p) { return __a
 static inline void cxl_atomic_store_relaxed64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 static inline uint64_t cxl_atomic_add_relaxed64(uint64_t *p, uint64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_RELAXED); }
 
+/* Process id without a system call per use (getpid is a real syscall in glibc
+ * >= 2.25); the fork handler keeps it right in children. */
+static int cxl_pid_cached;
+static void cxl_pid_reset(void) { cxl_pid_cached = 0; }
+static inline int cxl_pid(void)
+{
+    if (!cxl_pid_cached) {
+        static int registered;
+        if (!registered) {
+            registered = 1;
+            pthread_atfork(NULL, NULL, cxl_pid_reset);
+        }
+        cxl_pid_cached = (int)getpid();
+    }
+    return cxl_pid_cached;
+}
+
 /* Kernel thread id, cached per thread: unique across the host, so it names the
  * holder of a host-local lock and lets a waiter test whether it died. */
+static __thread uint32_t cxl_tid_cached;
+static void cxl_tid_reset(void) { cxl_tid_cached = 0; }
 static inline uint32_t cxl_thread_id(void)
 {
-    static __thread uint32_t tid;
-    if (!tid)
-        tid = (uint32_t)syscall(SYS_gettid);
-    return tid;
+    if (!cxl_tid_cached) {
+        static int registered;
+        if (!registered) {
+            registered = 1;
+            pthread_atfork(NULL, NULL, cxl_tid_reset);  /* the child's thread is new */
+        }
+        cxl_tid_cached = (uint32_t)syscall(SYS_gettid);
+    }
+    return cxl_tid_cached;
 }
 
 static inline uint64_t cxl_now_ns(void)

@@ -1,0 +1,232 @@
+"""Cross-node locks against a process-shared pthread mutex.
+
+Groups:
+
+``lock_uncontended``
+    One process, ``lock_bench(lock, N)``: N x (acquire, release) in one nogil
+    loop, on node 0 of a 64 MiB region. Rows: ``file:`` bakery (the target),
+    ``file:`` manager (the lock manager runs in a thread of this process) and
+    ``emu:`` bakery (every fault and the checker off), each with its own N.
+    Baseline: ``mutex_bench(mapping, 0, N)``, N x lock/unlock of a robust
+    process-shared pthread mutex in a 4 KiB /dev/shm file. ns/op is per
+    acquire+release pair. Target: ``file:`` bakery at most 3x the mutex's time.
+``lock_contended``
+    Two forked processes, nodes 0 and 1 of the same ``file:`` region, each
+    running the same loop on the same lock, released together by a barrier.
+    The parent times each round on its wall clock, from releasing the barrier
+    to both processes reporting back; handoffs/s = 2N / that time. Rows:
+    bakery and manager (granted by this process's manager thread). Baseline:
+    the same two processes on the shared pthread mutex. Ratio = the row's
+    handoffs/s over the mutex's. For information, no target.
+
+Every row's rounds are paired with a baseline run just before it (see
+conftest.Bench.run); ratios compare time per acquire+release, so rows may use
+different N.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+
+import cxlrt
+from cxlrt import lock as cxlock
+from cxlrt import shm
+from cxlrt.mapping import Mapping
+
+ROUNDS = 20
+WARMUP = 2
+TARGET = {"max_ratio": 3.0}
+MUTEX_BASELINE = "pthread mutex"
+LOCK = "bench"            # bakery lock in small_regions("file") and ("emu")
+MGR_LOCK = "benchm"       # manager lock in small_regions("file", lock_manager=True)
+
+# ops per call: chosen so a round takes about 3-25 ms on a 2-core machine
+UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 300,
+                 "emu bakery": 10_000}
+CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 400}
+CONTENDED_ROUNDS = 5
+CONTENDED_WARMUP = 1
+BARRIER_TIMEOUT_S = 60.0  # a wedged child fails the benchmark instead of hanging it
+
+# fork: the children inherit the mutex mapping and attach to the region themselves
+_MP = multiprocessing.get_context("fork")
+
+
+@pytest.fixture(scope="module")
+def mutex(perf_dir) -> Mapping:
+    """A robust process-shared pthread mutex at offset 0 of a 4 KiB zero file."""
+    path = os.path.join(perf_dir, "mutex")
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    m = Mapping(path, 4096)
+    shm.init_robust_mutexes(m, 0, 1, 64)
+    yield m
+    m.close()
+    os.unlink(path)
+
+
+# case -> (region kind, lock_manager, lock name, mode)
+LOCKS = {"file bakery": ("file", False, LOCK, "bakery"),
+         "emu bakery": ("emu", False, LOCK, "bakery"),
+         "file manager": ("file", True, MGR_LOCK, "manager")}
+
+
+def _lock_for(small_regions, case: str):
+    """(region, lock) of a case: node 0 of its region, the lock created on first use."""
+    kind, manager, name, mode = LOCKS[case]
+    region = small_regions(kind, lock_manager=manager)
+    return region, region.lock(name, mode=mode)
+
+
+class _Counted:
+    """Calls fn and adds its result (iterations done) to .total."""
+
+    def __init__(self, fn: Callable[[], int]):
+        self.fn, self.total = fn, 0
+
+    def __call__(self) -> int:
+        n = self.fn()
+        self.total += n
+        return n
+
+
+# --- uncontended --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["mutex", "file bakery", "file manager", "emu bakery"])
+def test_lock_uncontended(bench, small_regions, mutex, case):
+    n = UNCONTENDED_N[case]
+    bench.describe("lock_uncontended", case,
+                   baseline=MUTEX_BASELINE if case == "mutex" else None, ops=n, op="pair",
+                   target=TARGET if case == "file bakery" else None)
+    baseline = partial(cxlock.mutex_bench, mutex, 0, UNCONTENDED_N["mutex"])
+    if case == "mutex":
+        assert bench.run(baseline, rounds=ROUNDS, warmup=WARMUP) == n
+        assert cxlock.mutex_bench(mutex, 0, 1) == 1  # left unlocked
+        return
+    _, lk = _lock_for(small_regions, case)
+    before = lk.acquisitions()[0]
+    fn = _Counted(partial(cxlock.lock_bench, lk, n))
+    result = bench.run(fn, rounds=ROUNDS, warmup=WARMUP,
+                       paired=(MUTEX_BASELINE, baseline, UNCONTENDED_N["mutex"]))
+    assert result == n
+    assert lk.acquisitions()[0] - before == fn.total  # every pair went through the global tier
+    assert not lk.held_by_me()
+    assert lk.acquire(timeout=5.0)  # free for the next taker
+    lk.release()
+
+
+# --- contended: two processes ------------------------------------------------------
+
+
+def _mutex_worker(mapping: Mapping, n: int, node: int):
+    return partial(cxlock.mutex_bench, mapping, 0, n), lambda: None
+
+
+def _lock_worker(spec: str, name: str, n: int, node: int):
+    region = cxlrt.open(spec, node=node)
+    lk = region.lock(name)
+    return partial(cxlock.lock_bench, lk, n), region.close
+
+
+def _child(make: Callable, node: int, go, done, stop, counts) -> None:
+    """One process of a Pair: per round, wait for `go`, run the loop, meet at `done`."""
+    try:
+        fn, close = make(node)
+        try:
+            while True:
+                go.wait(BARRIER_TIMEOUT_S)
+                if stop.value:
+                    return
+                counts[node] += fn()
+                done.wait(BARRIER_TIMEOUT_S)
+        finally:
+            close()
+    except BaseException:
+        go.abort()  # the parent fails at its next wait instead of hanging
+        done.abort()
+        raise
+
+
+class Pair:
+    """Two forked processes, nodes 0 and 1, that run their loop once per round.
+
+    ``make(node)`` runs in each child and returns ``(loop, close)``. Calling the
+    Pair is one round as the parent sees it: release both children at once, wait
+    until both are done. The children outlive the rounds, so no round pays for
+    forking or attaching.
+    """
+
+    def __init__(self, make: Callable[[int], tuple[Callable[[], int], Callable[[], None]]]):
+        self.rounds = 0
+        self.go = _MP.Barrier(3)
+        self.done = _MP.Barrier(3)
+        self.stop = _MP.Value("b", 0, lock=False)
+        self.counts = _MP.Array("Q", 2, lock=False)
+        self.procs = [_MP.Process(target=_child, daemon=True,
+                                  args=(make, node, self.go, self.done, self.stop, self.counts))
+                      for node in (0, 1)]
+
+    def __enter__(self) -> Pair:
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __call__(self) -> None:
+        self.go.wait(BARRIER_TIMEOUT_S)
+        self.done.wait(BARRIER_TIMEOUT_S)
+        self.rounds += 1
+
+    def __exit__(self, *exc) -> None:
+        self.stop.value = 1
+        try:
+            if not self.go.broken:
+                self.go.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            pass
+        for p in self.procs:
+            p.join(BARRIER_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def check(self, n: int) -> None:
+        """Both children exited cleanly after one full loop of `n` per round."""
+        assert [p.exitcode for p in self.procs] == [0, 0]
+        assert list(self.counts) == [self.rounds * n] * 2
+
+
+def _mutex_pair(mapping: Mapping) -> Pair:
+    return Pair(partial(_mutex_worker, mapping, CONTENDED_N["mutex"]))
+
+
+@pytest.mark.parametrize("case", ["mutex", "file bakery", "file manager"])
+def test_lock_contended(bench, small_regions, mutex, case):
+    n = CONTENDED_N[case]
+    bench.describe("lock_contended", case, baseline=MUTEX_BASELINE if case == "mutex" else None,
+                   ops=2 * n, rate="handoffs")
+    if case == "mutex":
+        with _mutex_pair(mutex) as pair:
+            bench.run(pair, rounds=CONTENDED_ROUNDS, warmup=CONTENDED_WARMUP)
+        pair.check(n)
+        return
+    region, lk = _lock_for(small_regions, case)
+    before = lk.acquisitions()
+    with (_mutex_pair(mutex) as base,
+          Pair(partial(_lock_worker, region.spec, lk.name, n)) as pair):
+        bench.run(pair, rounds=CONTENDED_ROUNDS, warmup=CONTENDED_WARMUP,
+                  paired=(MUTEX_BASELINE, base, 2 * CONTENDED_N["mutex"]))
+    pair.check(n)
+    base.check(CONTENDED_N["mutex"])
+    after = lk.acquisitions()
+    # every acquisition went through the global tier, on the children's nodes only
+    assert [after[j] - before[j] for j in range(len(after))] == [pair.rounds * n] * 2 + [0] * (
+        len(after) - 2)
+    assert lk.acquire(timeout=5.0)  # nobody left it held
+    lk.release()

@@ -77,7 +77,7 @@ def _stress(spec, node, seed, rounds, outbox, inbox, nodes):
 
 def test_stress_across_processes_with_cross_node_frees(backend):
     nodes, rounds = 4, 600
-    r0 = backend.create(size="32M", nodes=nodes)
+    r0 = backend.create(size="64M", nodes=nodes)
     start = r0.usage()
     qs = [_CTX.Queue() for _ in range(nodes)]
     args = [(backend.spec(), n, backend.seed or 5, rounds, qs[(n + 1) % nodes], qs[n], nodes)

@@ -418,10 +418,20 @@ cdef class LockService:
 
     # heartbeat ---------------------------------------------------------------------
     def _beat(self, first=False):
+        """Publish our heartbeat; clear holds left by dead processes of our node."""
         cdef uint32_t i, mode
+        cdef cxl_local_lock* s
         self.region.heartbeat()
-        for pyi, pymode in list(self._modes.items()):
-            i, mode = pyi, pymode
+        for i in range(MAX_LOCKS):
+            s = _slot(&self.L, i)
+            if s.holder_pid == 0 and s.global_held == 0:
+                continue  # nobody of our node is in this lock: nothing can be stale
+            if i not in self._modes:
+                h = read_header(self.region, i)
+                if h is None:
+                    continue
+                self._modes[i] = h[1]
+            mode = self._modes[i]
             with nogil:
                 _recover_dead_holder(&self.L, i, mode)
 

@@ -50,7 +50,7 @@ MGR_LOCK = "benchm"       # manager lock in small_regions("file", lock_manager=T
 UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 300,
                  "emu bakery": 10_000}
 CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 400}
-CONTENDED_ROUNDS = 5
+CONTENDED_ROUNDS = 10
 CONTENDED_WARMUP = 1
 BARRIER_TIMEOUT_S = 60.0  # a wedged child fails the benchmark instead of hanging it
 

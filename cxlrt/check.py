@@ -103,13 +103,24 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
             "a live node would give its lines two writers. Pass --force only if you know "
             "it is gone.")
     actions = []
+    with cxlrt.open(spec, node=0, observer=True) as region:
+        nodes = _nodes(region)
+        held = [x["name"] for x in _locks(region, nodes)[0]
+                if node in x["nodes_holding_or_waiting"]]
     with cxlrt.open(spec, node=node) as region:  # we ARE node `node` from here on
+        # Attaching started our heartbeat, whose first sweep already withdraws holds
+        # that dead processes of this node left behind; this catches the rest.
         svc = region.locks
         from cxlrt.lock import _reset_node_line
         for i in range(64):
             h = svc._read_header(i)
-            if h is not None and _reset_node_line(svc, i, h[1]):
-                actions.append(f"released node {node}'s hold/request on lock {h[0]!r}")
+            if h is not None:
+                _reset_node_line(svc, i, h[1])
+        still = [x["name"] for x in _locks(region, _nodes(region))[0]
+                 if node in x["nodes_holding_or_waiting"]]
+        for name in held:
+            if name not in still:
+                actions.append(f"released node {node}'s hold/request on lock {name!r}")
         applied = region._allocator.drain()
         if applied:
             actions.append(f"applied {applied} queued remote frees")

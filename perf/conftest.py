@@ -23,6 +23,8 @@ to it. Rows go through :class:`Bench` (fixture ``bench``), which fills
     with ``ops``: the ops are counted as a rate (``"handoffs"``), so the group is
     a throughput group (ratio = baseline time per op / time per op) and the row
     reports ops per second.
+``note``
+    optional text appended to the row's summary line.
 ``target``
     optional ``{"min_ratio": x}``, ``{"max_ratio": x}`` or ``{"max_ns_per_op": y}``;
     reported, never asserted.
@@ -329,6 +331,8 @@ def _line(group: str, row, base) -> str:
                 else f"<= {target['max_ratio']:.2f}x" if "max_ratio" in target
                 else f"< {target['max_ns_per_op']} ns/op")
         text += f"  [target {want}: {'met' if info['target_met'] else 'MISSED'}]"
+    if "note" in info:
+        text += f"  ({info['note']})"
     return head + text
 
 

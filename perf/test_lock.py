@@ -8,8 +8,8 @@ Groups:
     ``file:`` manager (the lock manager runs in a thread of this process) and
     ``emu:`` bakery (every fault and the checker off), each with its own N.
     Baseline: ``mutex_bench(mapping, 0, N)``, N x lock/unlock of a robust
-    process-shared pthread mutex in a 4 KiB /dev/shm file. ns/op is per
-    acquire+release pair. Target: ``file:`` bakery at most 3x the mutex's time.
+    process-shared pthread mutex in a 4 KiB /dev/shm file. ns/pair is per
+    acquire+release. Target: ``file:`` bakery at most 3x the mutex's time.
 ``lock_contended``
     Two forked processes, nodes 0 and 1 of the same ``file:`` region, each
     running the same loop on the same lock, released together by a barrier.
@@ -20,16 +20,17 @@ Groups:
     handoffs/s over the mutex's. For information, no target.
 
 Every row's rounds are paired with a baseline run just before it (see
-conftest.Bench.run); ratios compare time per acquire+release, so rows may use
-different N.
+conftest.Bench.run); ratios compare time per op, so rows may use different N.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import statistics
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import pytest
@@ -57,9 +58,14 @@ BARRIER_TIMEOUT_S = 60.0  # a wedged child fails the benchmark instead of hangin
 # fork: the children inherit the mutex mapping and attach to the region themselves
 _MP = multiprocessing.get_context("fork")
 
+# Python >= 3.12 warns when forking a process with threads (here: the regions'
+# heartbeat and lock-manager threads); the children only attach and run nogil loops.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded:DeprecationWarning")
+
 
 @pytest.fixture(scope="module")
-def mutex(perf_dir) -> Mapping:
+def mutex(perf_dir) -> Iterator[Mapping]:
     """A robust process-shared pthread mutex at offset 0 of a 4 KiB zero file."""
     path = os.path.join(perf_dir, "mutex")
     with open(path, "wb") as f:
@@ -135,22 +141,28 @@ def _lock_worker(spec: str, name: str, n: int, node: int):
     return partial(cxlock.lock_bench, lk, n), region.close
 
 
-def _child(make: Callable, node: int, go, done, stop, counts) -> None:
+def _child(make: Callable, node: int, ready, go, done, stop, counts, span) -> None:
     """One process of a Pair: per round, wait for `go`, run the loop, meet at `done`."""
     try:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:  # one core per node, as two hosts would have
+            os.sched_setaffinity(0, {cpus[node]})
         fn, close = make(node)
         try:
+            ready.wait(BARRIER_TIMEOUT_S)
             while True:
                 go.wait(BARRIER_TIMEOUT_S)
                 if stop.value:
                     return
+                span[2 * node] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all
                 counts[node] += fn()
+                span[2 * node + 1] = time.perf_counter()
                 done.wait(BARRIER_TIMEOUT_S)
         finally:
             close()
     except BaseException:
-        go.abort()  # the parent fails at its next wait instead of hanging
-        done.abort()
+        for b in (ready, go, done):
+            b.abort()  # the parent fails at its next wait instead of hanging
         raise
 
 
@@ -160,28 +172,48 @@ class Pair:
     ``make(node)`` runs in each child and returns ``(loop, close)``. Calling the
     Pair is one round as the parent sees it: release both children at once, wait
     until both are done. The children outlive the rounds, so no round pays for
-    forking or attaching.
+    forking or attaching. Each child is pinned to its own CPU (when there are
+    two), so the scheduler cannot run both on one core, where they would take
+    turns instead of contending. ``overlaps`` records, per round, the fraction
+    of the round during which both loops were running.
     """
 
     def __init__(self, make: Callable[[int], tuple[Callable[[], int], Callable[[], None]]]):
         self.rounds = 0
+        self.ready = _MP.Barrier(3)
         self.go = _MP.Barrier(3)
         self.done = _MP.Barrier(3)
         self.stop = _MP.Value("b", 0, lock=False)
         self.counts = _MP.Array("Q", 2, lock=False)
+        self.span = _MP.Array("d", 4, lock=False)  # (start, end) of each child's loop
+        self.overlaps: list[float] = []
         self.procs = [_MP.Process(target=_child, daemon=True,
-                                  args=(make, node, self.go, self.done, self.stop, self.counts))
+                                  args=(make, node, self.ready, self.go, self.done, self.stop,
+                                        self.counts, self.span))
                       for node in (0, 1)]
 
     def __enter__(self) -> Pair:
         for p in self.procs:
             p.start()
+        try:
+            self.ready.wait(BARRIER_TIMEOUT_S)  # both attached: no round pays for it
+        except threading.BrokenBarrierError:
+            self.__exit__()
+            raise
         return self
 
     def __call__(self) -> None:
         self.go.wait(BARRIER_TIMEOUT_S)
         self.done.wait(BARRIER_TIMEOUT_S)
         self.rounds += 1
+        s0, e0, s1, e1 = self.span
+        self.overlaps.append(max(0.0, min(e0, e1) - max(s0, s1)) / (max(e0, e1) - min(s0, s1)))
+
+    def describe_overlap(self, bench, rounds: int) -> None:
+        """extra_info["overlap"]: median over the timed rounds (the last `rounds`)."""
+        overlap = statistics.median(self.overlaps[-rounds:])
+        bench.extra_info["overlap"] = overlap
+        bench.extra_info["note"] = f"loops overlapped {overlap:.0%} of the round (median)"
 
     def __exit__(self, *exc) -> None:
         self.stop.value = 1
@@ -215,6 +247,7 @@ def test_lock_contended(bench, small_regions, mutex, case):
         with _mutex_pair(mutex) as pair:
             bench.run(pair, rounds=CONTENDED_ROUNDS, warmup=CONTENDED_WARMUP)
         pair.check(n)
+        pair.describe_overlap(bench, CONTENDED_ROUNDS)
         return
     region, lk = _lock_for(small_regions, case)
     before = lk.acquisitions()
@@ -224,6 +257,7 @@ def test_lock_contended(bench, small_regions, mutex, case):
                   paired=(MUTEX_BASELINE, base, 2 * CONTENDED_N["mutex"]))
     pair.check(n)
     base.check(CONTENDED_N["mutex"])
+    pair.describe_overlap(bench, CONTENDED_ROUNDS)
     after = lk.acquisitions()
     # every acquisition went through the global tier, on the children's nodes only
     assert [after[j] - before[j] for j in range(len(after))] == [pair.rounds * n] * 2 + [0] * (

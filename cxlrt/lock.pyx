@@ -13,9 +13,11 @@ import time
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_publish,
-                            cxl_region, cxl_store64)
-from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
+from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, cxl_flush, cxl_load, cxl_load64,
+                            cxl_persist, cxl_publish, cxl_region, cxl_store64)
+from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
+                                    cxl_load64_volatile, cxl_now_ns, cxl_pid,
+                                    cxl_store64_volatile, cxl_wall_ns, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
@@ -100,6 +102,49 @@ cdef int _bakery_withdraw(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return rc
 
 
+cdef inline int _bakery_direct(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """Uncontended bakery on a coherent direct mapping: 1 if the lock is ours.
+
+    The same doorway as below with plain volatile accesses (flushes are no-ops
+    there and the record's range is checked once); any sign of another node
+    (choosing, or a smaller ticket) returns 0 with our ticket still published,
+    and the caller's general loop takes over the wait.
+    """
+    cdef const cxl_region* r = L.r
+    cdef uint64_t rec = cxl_lock_record(L, id)
+    cdef char* base
+    cdef char* me
+    cdef char* ln
+    cdef uint64_t v, mx = 0, ticket
+    cdef uint32_t j
+    if rec + L.rec_bytes > r.size or r.closed:
+        return 0
+    base = r.base + rec + 64
+    me = base + 64 * L.node
+    cxl_store64_volatile(me, 1)
+    cxl_fence_sc()  # choosing = 1 before we read any ticket (store -> load)
+    for j in range(L.nodes):
+        v = cxl_load64_volatile(base + 64 * j + 8)
+        if v > mx:
+            mx = v
+    ticket = mx + 1
+    cxl_store64_volatile(me + 8, ticket)
+    cxl_fence_release()  # the ticket before choosing drops (TSO keeps store order)
+    cxl_store64_volatile(me, 0)
+    cxl_fence_sc()  # our ticket before we read the others' (store -> load)
+    for j in range(L.nodes):
+        if j == L.node:
+            continue
+        ln = base + 64 * j
+        if cxl_load64_volatile(ln) != 0:
+            return 0
+        v = cxl_load64_volatile(ln + 8)
+        if v != 0 and (v < ticket or (v == ticket and j < L.node)):
+            return 0
+    cxl_store64_volatile(me + 32, cxl_load64_volatile(me + 32) + 1)
+    return 1
+
+
 cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
     """Lamport's bakery over single-writer lines; every read is an observe."""
     cdef const cxl_region* r = L.r
@@ -107,6 +152,14 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     cdef uint64_t ln, v = 0, ticket = 0, mx = 0, acq = 0, spins, next_check
     cdef uint32_t j
     cdef int rc
+    if (r.flags & (CXL_F_DIRECT | CXL_F_NOFLUSH)) == (CXL_F_DIRECT | CXL_F_NOFLUSH):
+        if _bakery_direct(L, id):
+            return 0
+        # Contended: our ticket is published; wait for the others below.
+        rc = cxl_load64(r, me + 8, &ticket)
+        if rc != 0:
+            return rc
+        return _bakery_wait(L, id, ticket, deadline)
     # choosing = 1 must be visible before we read anyone's ticket.
     rc = cxl_store64(r, me, 1)
     if rc == 0:
@@ -130,6 +183,17 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     if rc != 0:
         _bakery_withdraw(L, id)
         return rc
+    return _bakery_wait(L, id, ticket, deadline)
+
+
+cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
+                      uint64_t deadline) noexcept nogil:
+    """Wait until no node is choosing or holds a smaller (ticket, node)."""
+    cdef const cxl_region* r = L.r
+    cdef uint64_t me = _line(L, id, L.node)
+    cdef uint64_t ln, v = 0, acq = 0, spins, next_check
+    cdef uint32_t j
+    cdef int rc = 0
     for j in range(L.nodes):
         if j == L.node:
             continue
@@ -356,6 +420,14 @@ cdef extern from *:
     void cxl_backoff_short() nogil
 
 
+cdef extern from *:
+    """
+    #include <sys/prctl.h>
+    static inline void cxl_set_timerslack_1ns(void) { prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }
+    """
+    void cxl_set_timerslack_1ns() nogil
+
+
 MODES = {"bakery": CXL_LOCK_BAKERY, "manager": CXL_LOCK_MANAGER}
 MODE_NAMES = {v: k for k, v in MODES.items()}
 META_NAME = "cxlrt.meta"
@@ -557,6 +629,8 @@ cdef class LockService:
         cdef uint64_t until
         for k in range(64):
             last[k] = 0
+        # The pass sleeps ~20 us; the default 50 us timer slack would stretch it.
+        cxl_set_timerslack_1ns()
         while not self._stop.is_set():
             try:
                 n = 0

@@ -483,10 +483,22 @@ cdef class LockService:
         self._closed = False
         self._stop = threading.Event()
         self._mgr_thread = None
+        if self.local.fresh:
+            self._forget_previous_life()
         self._beat(first=True)
         self._beat_thread = threading.Thread(target=self._beat_loop, daemon=True,
                                              name=f"cxlrt-heartbeat-n{region.node}")
         self._beat_thread.start()
+
+    def _forget_previous_life(self):
+        """A new node-local file means no process of this node holds or waits on any
+        lock (a restarted host, or the first attach ever): withdraw whatever an
+        earlier incarnation of this node left on its lines, before we beat and
+        other nodes stop skipping us."""
+        for i in range(MAX_LOCKS):
+            h = read_header(self.region, i)
+            if h is not None:
+                _reset_node_line(self, i, h[1])
 
     # heartbeat ---------------------------------------------------------------------
     def _beat(self, first=False):

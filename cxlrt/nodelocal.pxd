@@ -37,5 +37,6 @@ ctypedef struct cxl_local_heap:
 cdef class NodeLocal:
     cdef readonly Mapping mapping  # the node-local file
     cdef readonly str path
+    cdef readonly bint fresh       # we created the file: no process of this node held anything
     cdef cxl_local_lock* locks     # CXL_MAX_LOCKS slots, CXL_LOCAL_LOCK_BYTES apart
     cdef cxl_local_heap* heap

@@ -73,8 +73,10 @@ cdef class NodeLocal:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            self.fresh = False
             if not _valid(self.path, uuid, node):
                 os.replace(_build(self.path, uuid, node), self.path)
+                self.fresh = True
             self.mapping = Mapping(self.path, TOTAL)
         finally:
             os.close(fd)

@@ -161,3 +161,24 @@ def test_holder_killed_is_recovered_within_the_bound(backend, mode, case):
     if sibling is not None:
         sibling.close()
     r0.close()
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("mode", MODES)
+def test_node_restarted_elsewhere_withdraws_its_old_ticket(backend, mode):
+    """The holder's host is gone (node-local file lost); a new process takes the node
+    id on another host before the lease runs out: it must clear the old hold."""
+    from cxlrt.nodelocal import local_path
+    r0 = backend.create(nodes=3, lease=30.0, lock_manager=(mode == "manager"))
+    r0.lock("crash", mode=mode)
+    p = _CTX.Process(target=_hold_and_die, args=(backend.spec(), 1, mode))
+    p.start()
+    p.join()
+    os.unlink(local_path(r0.uuid, 1))  # "another host": no node-local state survives
+    reborn = cxlrt.open(backend.spec(), node=1)
+    reborn.locks  # noqa: B018  (first attach of the new incarnation)
+    (ok, waited, _), = raise_failures(
+        run_procs(_acquire_after, [(backend.spec(), 2, mode, 10.0)]))
+    assert ok and waited < 5.0, waited  # far inside the 30 s lease: cleared, not expired
+    reborn.close()
+    r0.close()

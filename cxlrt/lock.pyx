@@ -186,6 +186,26 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     return _bakery_wait(L, id, ticket, deadline)
 
 
+cdef inline int _wait_tick(cxl_lockctx* L, uint32_t j, uint64_t* next_check,
+                          uint64_t deadline) noexcept nogil:
+    """While waiting on node j: 1 if j is dead, CXLRT_E_TIMEOUT past the deadline, else 0.
+
+    The clock is read only once we actually wait, and j's heartbeat only every
+    DEAD_CHECK_NS, so an uncontended wait costs nothing here.
+    """
+    cdef uint64_t now
+    if next_check[0] == 0:
+        next_check[0] = cxl_now_ns() + DEAD_CHECK_NS
+        return 0
+    now = cxl_now_ns()
+    if now <= next_check[0]:
+        return 0
+    if cxl_node_dead(L, j):
+        return 1
+    next_check[0] = now + DEAD_CHECK_NS
+    return CXLRT_E_TIMEOUT if now > deadline else 0
+
+
 cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
                       uint64_t deadline) noexcept nogil:
     """Wait until no node is choosing or holds a smaller (ticket, node)."""
@@ -193,7 +213,7 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
     cdef uint64_t me = _line(L, id, L.node)
     cdef uint64_t ln, v = 0, acq = 0, spins, next_check
     cdef uint32_t j
-    cdef int rc = 0
+    cdef int rc = 0, tick
     for j in range(L.nodes):
         if j == L.node:
             continue
@@ -204,29 +224,23 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
             rc = _observe64(r, ln, &v)
             if rc != 0 or v == 0:
                 break
-            if next_check == 0:
-                next_check = cxl_now_ns() + DEAD_CHECK_NS
-            elif cxl_now_ns() > next_check:
-                if cxl_node_dead(L, j):
-                    break
-                next_check = cxl_now_ns() + DEAD_CHECK_NS
-                if cxl_now_ns() > deadline:
-                    _bakery_withdraw(L, id)
-                    return CXLRT_E_TIMEOUT
+            tick = _wait_tick(L, j, &next_check, deadline)
+            if tick == 1:
+                break  # j is dead: its ticket no longer counts
+            if tick < 0:
+                _bakery_withdraw(L, id)
+                return tick
             cxl_backoff(&spins)
         while rc == 0:  # wait while j holds a smaller (ticket, node)
             rc = _observe64(r, ln + 8, &v)
             if rc != 0 or v == 0 or v > ticket or (v == ticket and j > L.node):
                 break
-            if next_check == 0:
-                next_check = cxl_now_ns() + DEAD_CHECK_NS
-            elif cxl_now_ns() > next_check:
-                if cxl_node_dead(L, j):
-                    break
-                next_check = cxl_now_ns() + DEAD_CHECK_NS
-                if cxl_now_ns() > deadline:
-                    _bakery_withdraw(L, id)
-                    return CXLRT_E_TIMEOUT
+            tick = _wait_tick(L, j, &next_check, deadline)
+            if tick == 1:
+                break  # j is dead: its ticket no longer counts
+            if tick < 0:
+                _bakery_withdraw(L, id)
+                return tick
             cxl_backoff(&spins)
         if rc != 0:
             _bakery_withdraw(L, id)

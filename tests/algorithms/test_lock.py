@@ -182,3 +182,40 @@ def test_node_restarted_elsewhere_withdraws_its_old_ticket(backend, mode):
     assert ok and waited < 5.0, waited  # far inside the 30 s lease: cleared, not expired
     reborn.close()
     r0.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeout_withdraws_cleanly(backend, mode):
+    a = backend.create(nodes=3, lock_manager=(mode == "manager"))
+    b = backend.open(1)
+    c = backend.open(2)
+    la, lb, lc = a.lock("t", mode=mode), b.lock("t"), c.lock("t")
+    assert la.acquire()
+    t0 = time.monotonic()
+    assert lb.acquire(timeout=0.2) is False
+    assert 0.15 < time.monotonic() - t0 < 5
+    la.release()
+    assert lc.acquire(timeout=5)  # b's withdrawn ticket/request does not block c
+    assert la.locked() and lc.held_by_me() and not lb.held_by_me()
+    lc.release()
+    assert not la.locked()
+    for r in (a, b, c):
+        r.close()
+
+
+def test_lock_misuse_is_a_clear_error(backend):
+    r = backend.create(nodes=2)
+    lock = r.lock("x")
+    with lock:
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            lock.acquire()
+    with pytest.raises(RuntimeError, match="not held"):
+        lock.release()
+    with pytest.raises(ValueError, match="fixed when it is created"):
+        r.lock("x", mode="manager")
+    with pytest.raises(ValueError, match="bakery' or 'manager"):
+        r.lock("y", mode="spin")
+    for bad in ("", "n" * 41):
+        with pytest.raises(ValueError, match="1..40 bytes"):
+            r.lock(bad)
+    r.close()

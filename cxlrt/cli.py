@@ -33,10 +33,11 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"nodes    {info['nodes']}")
     print(f"layout   version {info['version']}, format id {info['uuid']}")
     for name, (off, n) in info["sections"].items():
-        print(f"section  {name:<6} offset {off:#x}, {n} bytes ({_human(n)})")
+        print(f"section  {name:<9} offset {off:#x}, {n} bytes ({_human(n)})")
     for a in info["node_areas"]:
         if a["heartbeat_age_s"] is None:
-            print(f"node {a['node']:<3} never attached")
+            before = f" ({a['attaches']} attach(es) before)" if a["attaches"] else ""
+            print(f"node {a['node']:<3} not attached{before}")
         else:
             print(f"node {a['node']:<3} pid {a['pid']}, host {a['host_id']}, "
                   f"{a['attaches']} attach(es), heartbeat {a['heartbeat_age_s']} s ago")

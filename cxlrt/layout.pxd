@@ -86,9 +86,8 @@ ctypedef struct cxl_lock_node_line:
 
 
 ctypedef struct cxl_lock_grant_line:
-    uint64_t node_plus1       # manager: granted node + 1, 0 = none
-    uint64_t seq              # manager: the request number granted
-    uint64_t reserved[6]
+    uint64_t grant            # manager: (granted node + 1) << 56 | request number, 0 = none
+    uint64_t reserved[7]
 
 
 ctypedef struct cxl_mgr_claim:

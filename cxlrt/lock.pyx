@@ -33,6 +33,8 @@ cdef extern from "cxl_intrin.h" nogil:
 cdef enum:
     DEAD_CHECK_NS = 20000000
 
+cdef uint64_t GRANT_SEQ_MASK = (<uint64_t>1 << 56) - 1
+
 
 class LockTimeout(CxlrtError, TimeoutError):
     """A lock was not acquired within the timeout."""
@@ -253,12 +255,17 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
 
 # --- manager mode ---------------------------------------------------------------------
 
+cdef inline uint64_t _grant_word(uint64_t node, uint64_t seq) noexcept nogil:
+    """The grant as ONE 8-byte word, (node + 1) << 56 | seq: a reader can never see
+    one node's id with another's request number (two words could tear)."""
+    return ((node + 1) << 56) | (seq & GRANT_SEQ_MASK)
+
+
 cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
-    """Publish a request on our line, then wait for the grant line to name it."""
+    """Publish a request on our line, then wait for the grant word to name it."""
     cdef const cxl_region* r = L.r
     cdef uint64_t me = _line(L, id, L.node), g = _grant(L, id)
-    cdef uint64_t seq = 0, acq = 0, spins = 0
-    cdef uint64_t gv[2]
+    cdef uint64_t seq = 0, acq = 0, spins = 0, gw = 0, want
     cdef int rc = cxl_load64(r, me + 16, &seq)  # our own line: no observe needed
     if rc != 0:
         return rc
@@ -269,11 +276,12 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
     if rc != 0:
         return rc
     _slot(L, id).seq = seq
+    want = _grant_word(L.node, seq)
     while True:
-        rc = _observe2(r, g, gv)  # (granted node + 1, granted request)
+        rc = _observe64(r, g, &gw)
         if rc != 0:
             break
-        if gv[0] == L.node + 1 and gv[1] == seq:
+        if gw == want:
             if cxl_load64(r, me + 32, &acq) == 0:
                 cxl_store64(r, me + 32, acq + 1)
             return 0
@@ -299,14 +307,14 @@ cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
 cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint32_t* last) noexcept nogil:
     """One manager pass over lock `id`: detect release or death, grant round-robin."""
     cdef const cxl_region* r = L.r
-    cdef uint64_t g = _grant(L, id), gn = 0, gs = 0, req = 0, rel = 0
+    cdef uint64_t g = _grant(L, id), gw = 0, gn, gs, req = 0, rel = 0
     cdef uint64_t v[2]
     cdef uint32_t d, j, h
-    cdef int rc = _observe2(r, g, v)  # our own line, but a restarted manager reads it too
+    cdef int rc = _observe64(r, g, &gw)  # our own word, but a restarted manager reads it too
     if rc != 0:
         return rc
-    gn = v[0]
-    gs = v[1]
+    gn = gw >> 56
+    gs = gw & GRANT_SEQ_MASK
     if gn != 0 and gn <= L.nodes:
         h = <uint32_t>(gn - 1)
         rc = _observe64(r, _line(L, id, h) + 24, &rel)
@@ -323,11 +331,9 @@ cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint32_t* last) noexcept nogil:
         req = v[0]
         rel = v[1]
         if req > rel and not cxl_node_dead(L, j):
-            rc = cxl_store64(r, g + 8, req)
+            rc = cxl_store64(r, g, _grant_word(j, req))
             if rc == 0:
-                rc = cxl_store64(r, g, j + 1)
-            if rc == 0:
-                rc = cxl_persist(r, g, 64)  # the grant: one line, one writer
+                rc = cxl_persist(r, g, 64)  # the grant: one word, one writer
             last[0] = j
             return rc
     if gn != 0:
@@ -774,8 +780,8 @@ cdef class Lock:
         if self._mode == CXL_LOCK_MANAGER:
             g = rec + 64 * (1 + self.svc.L.nodes)
             r.flush(g, 64)
-            raw = r.load(g, 16)
-            gn, gs = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+            gw = r.load64(g)
+            gn, gs = gw >> 56, gw & ((1 << 56) - 1)
             if not gn:
                 return False
             ln = rec + 64 * gn

@@ -26,6 +26,7 @@ def _counter_worker(spec, node, mode, iters, use_lock, barrier):
             try:
                 r.flush(off, 8)              # observe
                 v = r.load64(off)
+                os.sched_yield()             # invite a competitor into the window
                 r.store64(off, v + 1)
                 r.persist(off, 8)            # publish before release
             finally:

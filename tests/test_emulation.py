@@ -19,7 +19,10 @@ def test_unpublished_store_is_invisible_to_other_nodes(backend, emu_only):
     off = a.heap[0]
     a.store64(off, 5)  # no flush: stays in node 0's cache unless a fault evicts it
     b.flush(off, 8)
-    assert b.load64(off) == (5 if a.stats()["evictions"] else 0)
+    seen = b.load64(off)
+    assert seen in (0, 5)
+    if not a.stats()["evictions"]:
+        assert seen == 0  # only an injected write-back may publish it early
     assert a.load64(off) == 5
     a.close()
     b.close()

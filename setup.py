@@ -55,6 +55,7 @@ MODULES = [
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
+    ("cxlrt.backends.numa", "backends/numa.pyx"),
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),
 ]
 

@@ -18,12 +18,14 @@ CREATE_WAIT_S = 10.0
 """How long an attach waits for a concurrent formatter to publish the magic."""
 
 
-def _resolve(spec: str) -> tuple[Spec, type, dict[str, Any]]:
+def _resolve(spec: str) -> tuple[Spec, type, dict[str, Any], str]:
+    """(spec, backend class, parameters, file behind the spec)."""
     if isinstance(spec, str) and spec.startswith(("/", "./", "../")):
         spec = f"{registry.default_scheme()}:{spec}"
     s = parse_spec(spec)
     cls, schema = registry.get(s.scheme)
-    return s, cls, coerce_params(s.scheme, schema, s.params)
+    params = coerce_params(s.scheme, schema, s.params)
+    return s, cls, params, registry.medium_path(s.scheme, s.path)
 
 
 def _check_node(node: Any) -> int:
@@ -128,15 +130,15 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     cxlrt.RegionError
         A corrupt, truncated or mismatched region (see its subclasses).
     """
-    s, cls, params = _resolve(spec)
+    s, cls, params, fs = _resolve(spec)
     node = _check_node(node)
     created = False
     if create:
         size, nodes = _check_geometry(size, nodes)
-        created = _create_file(s.path, size, exclusive=True)
+        created = _create_file(fs, size, exclusive=True)
     elif size is not None:
         size = parse_size(size)
-    medium = _medium_size(s.path, str(s), wait=CREATE_WAIT_S if create and not created else 0)
+    medium = _medium_size(fs, str(s), wait=CREATE_WAIT_S if create and not created else 0)
     backend = cls(s.path, params, node, medium)
     region = Region(backend, str(s))
     try:
@@ -150,7 +152,7 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     except BaseException:
         region.close()
         if created:
-            os.unlink(s.path)  # ours, never published: nothing is lost
+            os.unlink(fs)  # ours, never published: nothing is lost
         raise
     return region
 
@@ -166,13 +168,13 @@ def _lease_ms(lease: float | None) -> int:
 def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
            lease: float | None = None) -> dict[str, Any]:
     """Create (or with ``force``, overwrite) and format a region; return :func:`inspect`."""
-    s, cls, params = _resolve(spec)
+    s, cls, params, fs = _resolve(spec)
     size, nodes = _check_geometry(size, nodes)
-    if not _create_file(s.path, size, exclusive=True):
+    if not _create_file(fs, size, exclusive=True):
         if not force:
-            raise FileExistsError(f"{s.path!r} already exists; pass --force (force=True) to "
+            raise FileExistsError(f"{fs!r} already exists; pass --force (force=True) to "
                                   "reformat it, which destroys its contents")
-        _create_file(s.path, size, exclusive=False)
+        _create_file(fs, size, exclusive=False)
     backend = cls(s.path, params, 0, size)
     region = Region(backend, str(s))
     try:
@@ -185,10 +187,19 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
 _NODE = struct.Struct("<QQQQ")
 
 
+def _placement(cls, path, params, size, upto):
+    """{numa node: pages} of the region's metadata pages, for backends that place pages."""
+    b = cls(path, params, 0, size)
+    try:
+        return {str(k): v for k, v in b.placement(0, upto, touch=True).items()}
+    finally:
+        b.close()
+
+
 def inspect(spec: str) -> dict[str, Any]:
     """Read a region's superblock and node areas by DMA, without attaching as a node."""
-    s, cls, params = _resolve(spec)
-    medium = _medium_size(s.path, str(s))
+    s, cls, params, fs = _resolve(spec)
+    medium = _medium_size(fs, str(s))
     backend = cls(s.path, params, 0, medium)
     region = Region(backend, str(s))
     try:
@@ -205,7 +216,10 @@ def inspect(spec: str) -> dict[str, Any]:
         region.close()
     info["spec"] = str(s)
     info["scheme"] = s.scheme
-    info["path"] = s.path
+    info["path"] = fs
+    if hasattr(backend, "placement"):
+        # The metadata before the heap was written at format time: its pages exist.
+        info["placement"] = _placement(cls, s.path, params, medium, info["sections"]["heap"][0])
     info["params"] = params
     info["uuid"] = f"{info['uuid']:016x}"
     return info

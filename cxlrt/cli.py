@@ -34,6 +34,9 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"layout   version {info['version']}, format id {info['uuid']}")
     for name, (off, n) in info["sections"].items():
         print(f"section  {name:<9} offset {off:#x}, {n} bytes ({_human(n)})")
+    if "placement" in info:
+        where = ", ".join(f"node {k}: {v} pages" for k, v in sorted(info["placement"].items()))
+        print(f"placement metadata pages by NUMA node: {where}")
     for a in info["node_areas"]:
         if a["heartbeat_age_s"] is None:
             before = f" ({a['attaches']} attach(es) before)" if a["attaches"] else ""

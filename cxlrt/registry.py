@@ -28,6 +28,9 @@ _known: dict[str, Entry] = {
     "file": Entry("cxlrt.backends.file", "FileBackend",
                   "part of cxlrt; reinstall with `pip install -e .`",
                   "coherent shared file mapping (tmpfs or any filesystem)"),
+    "numa": Entry("cxlrt.backends.numa", "NumaBackend",
+                  "part of cxlrt on Linux; needs /sys/devices/system/node",
+                  "shared memory bound to one NUMA node (a CXL expander is a CPU-less node)"),
     "emu": Entry("cxlrt.emulation.noncoherent", "EmuBackend",
                  "part of cxlrt; reinstall with `pip install -e .`",
                  "non-coherent emulation with fault injection and a checker"),
@@ -37,7 +40,6 @@ known = MappingProxyType(_known)
 
 PLANNED = {
     "dax": "devdax/fsdax backend (issue #5)",
-    "numa": "CPU-less NUMA node backend (issue #5)",
     "rdma": "remote CXL hybrid-memory node over RDMA",
 }
 DEFAULT_SCHEME = "file"
@@ -74,6 +76,13 @@ def get(scheme: str):
     except ImportError as err:  # re-raise the first error, with what to do about it
         raise ImportError(f"backend {scheme!r} cannot be imported ({err}); {e.hint}") from err
     return getattr(mod, e.cls), getattr(mod, "PARAMS", {})
+
+
+def medium_path(scheme: str, spec_path: str) -> str:
+    """The file a spec's path names: the path itself, unless the backend maps it."""
+    mod = importlib.import_module(_known[scheme].module)
+    fn = getattr(mod, "medium_path", None)
+    return fn(spec_path) if fn is not None else spec_path
 
 
 def available() -> list[str]:

@@ -2,6 +2,7 @@
 
 Every algorithm test takes `backend` and runs unchanged on each of:
   file          the coherent shared file mapping
+  numa          the same, bound to a NUMA node of this host (node 0 here; placement verified)
   emu           the non-coherent emulation, faults off
   emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
 The emulation never skips. `--backend NAME` narrows the set; `--cxl-seed N`
@@ -21,6 +22,7 @@ import cxlrt
 from cxlrt import registry
 
 DEFAULT_SEED = 1
+NUMA_NODE = int(os.environ.get("CXLRT_TEST_NUMA_NODE", "0"))
 FAULTY = "evict=0.05&delay=1&check=1"
 
 
@@ -47,11 +49,12 @@ class BackendCase:
 
     @property
     def coherent(self) -> bool:
-        return self.scheme == "file"
+        return self.scheme in ("file", "numa")
 
     def spec(self, extra: str = "") -> str:
         q = "&".join(p for p in (self.params, extra) if p)
-        return f"{self.scheme}:{self.path}" + (f"?{q}" if q else "")
+        where = f"{NUMA_NODE}/{self.path}" if self.scheme == "numa" else self.path
+        return f"{self.scheme}:{where}" + (f"?{q}" if q else "")
 
     @property
     def path(self) -> str:
@@ -72,6 +75,10 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
     avail = registry.available()
     if "file" in avail:
         out.append(("file", "file", "", None))
+    if "numa" in avail:
+        from cxlrt.backends.numa import nodes
+        if NUMA_NODE in nodes():
+            out.append(("numa", "numa", "", None))
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
     wanted = config.getoption("--backend")

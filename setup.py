@@ -56,6 +56,7 @@ MODULES = [
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
     ("cxlrt.backends.numa", "backends/numa.pyx"),
+    ("cxlrt.backends.dax", "backends/dax.pyx"),
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),
 ]
 

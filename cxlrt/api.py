@@ -36,7 +36,22 @@ def _check_node(node: Any) -> int:
     return node
 
 
-def _medium_size(path: str, spec: str, wait: float = 0.0) -> int:
+def _is_device(scheme: str, fs: str) -> bool:
+    fn = registry.hook(scheme, "is_device")
+    return bool(fn and fn(fs))
+
+
+def _check_device_size(s: Spec, fs: str, size: int) -> None:
+    have = registry.hook(s.scheme, "medium_size")(fs)
+    if size != have:
+        raise RegionSizeError(f"{s}: a region on a device uses the whole device: {have} bytes "
+                              f"(asked for {size}); pass size={have}")
+
+
+def _medium_size(path: str, spec: str, wait: float = 0.0, scheme: str = "") -> int:
+    sized = registry.hook(scheme, "medium_size") if scheme else None
+    if sized is not None and _is_device(scheme, path):
+        return sized(path)
     deadline = time.monotonic() + wait
     # A concurrent creator sizes the file right after creating it; give it time.
     while True:
@@ -133,14 +148,25 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     s, cls, params, fs = _resolve(spec)
     node = _check_node(node)
     created = False
+    device = _is_device(s.scheme, fs)
     if create:
         size, nodes = _check_geometry(size, nodes)
-        created = _create_file(fs, size, exclusive=True)
+        if device:
+            _check_device_size(s, fs, size)
+        else:
+            created = _create_file(fs, size, exclusive=True)
     elif size is not None:
         size = parse_size(size)
-    medium = _medium_size(fs, str(s), wait=CREATE_WAIT_S if create and not created else 0)
+    medium = _medium_size(fs, str(s), wait=CREATE_WAIT_S if create and not created else 0,
+                          scheme=s.scheme)
     backend = cls(s.path, params, node, medium)
     region = Region(backend, str(s))
+    if device and create:
+        try:
+            region._read_superblock()
+        except NotARegionError:
+            created = True  # an unformatted device: format it (run `cxlrt format` first
+            #                 when several processes may race to create it)
     try:
         if created:
             region._format(nodes, _sb.new_uuid(), _lease_ms(lease))
@@ -152,7 +178,8 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     except BaseException:
         region.close()
         if created:
-            os.unlink(fs)  # ours, never published: nothing is lost
+            if not device:
+                os.unlink(fs)  # ours, never published: nothing is lost
         raise
     return region
 
@@ -170,6 +197,21 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
     """Create (or with ``force``, overwrite) and format a region; return :func:`inspect`."""
     s, cls, params, fs = _resolve(spec)
     size, nodes = _check_geometry(size, nodes)
+    if _is_device(s.scheme, fs):
+        _check_device_size(s, fs, size)
+        region = Region(cls(s.path, params, 0, size), str(s))
+        try:
+            try:
+                region._read_superblock()
+                if not force:
+                    raise FileExistsError(f"{s} already holds a cxlrt region; pass --force "
+                                          "(force=True) to reformat it, which destroys it")
+            except NotARegionError:
+                pass
+            region._format(nodes, _sb.new_uuid(), _lease_ms(lease))
+        finally:
+            region.close()
+        return inspect(str(s))
     if not _create_file(fs, size, exclusive=True):
         if not force:
             raise FileExistsError(f"{fs!r} already exists; pass --force (force=True) to "
@@ -199,7 +241,7 @@ def _placement(cls, path, params, size, upto):
 def inspect(spec: str) -> dict[str, Any]:
     """Read a region's superblock and node areas by DMA, without attaching as a node."""
     s, cls, params, fs = _resolve(spec)
-    medium = _medium_size(fs, str(s))
+    medium = _medium_size(fs, str(s), scheme=s.scheme)
     backend = cls(s.path, params, 0, medium)
     region = Region(backend, str(s))
     try:

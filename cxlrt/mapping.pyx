@@ -29,9 +29,11 @@ cdef class Mapping:
         File (or device) to map; it must hold at least ``size`` bytes.
     size : int
         Bytes to map, from offset 0; must be > 0.
+    flags : int, optional
+        mmap flags instead of MAP_SHARED (e.g. MAP_SHARED_VALIDATE | MAP_SYNC).
     """
 
-    def __cinit__(self, str path, unsigned long long size):
+    def __cinit__(self, str path, unsigned long long size, int flags=0):
         self.path = path
         self.size = size
         self.base = NULL
@@ -39,7 +41,7 @@ cdef class Mapping:
         if size == 0:
             raise ValueError(f"cannot map 0 bytes of {path!r}")
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        cdef void* p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        cdef void* p = mmap(NULL, size, PROT_READ | PROT_WRITE, flags or MAP_SHARED, fd, 0)
         cdef int err = errno
         os.close(fd)
         if p == MAP_FAILED:

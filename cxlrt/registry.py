@@ -31,6 +31,9 @@ _known: dict[str, Entry] = {
     "numa": Entry("cxlrt.backends.numa", "NumaBackend",
                   "part of cxlrt on Linux; needs /sys/devices/system/node",
                   "shared memory bound to one NUMA node (a CXL expander is a CPU-less node)"),
+    "dax": Entry("cxlrt.backends.dax", "DaxBackend",
+                 "part of cxlrt on Linux; needs a devdax device or a file on a DAX filesystem",
+                 "devdax device or fsdax file mapped directly; real clflush, non-coherent"),
     "emu": Entry("cxlrt.emulation.noncoherent", "EmuBackend",
                  "part of cxlrt; reinstall with `pip install -e .`",
                  "non-coherent emulation with fault injection and a checker"),
@@ -39,7 +42,6 @@ known = MappingProxyType(_known)
 """Read-only view of every registered scheme."""
 
 PLANNED = {
-    "dax": "devdax/fsdax backend (issue #5)",
     "rdma": "remote CXL hybrid-memory node over RDMA",
 }
 DEFAULT_SCHEME = "file"
@@ -76,6 +78,11 @@ def get(scheme: str):
     except ImportError as err:  # re-raise the first error, with what to do about it
         raise ImportError(f"backend {scheme!r} cannot be imported ({err}); {e.hint}") from err
     return getattr(mod, e.cls), getattr(mod, "PARAMS", {})
+
+
+def hook(scheme: str, name: str):
+    """A backend module's optional hook (medium_size, is_device, ...), or None."""
+    return getattr(importlib.import_module(_known[scheme].module), name, None)
 
 
 def medium_path(scheme: str, spec_path: str) -> str:

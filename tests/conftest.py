@@ -3,6 +3,7 @@
 Every algorithm test takes `backend` and runs unchanged on each of:
   file          the coherent shared file mapping
   numa          the same, bound to a NUMA node of this host (node 0 here; placement verified)
+  dax-file      the dax: backend on a plain file: direct access with real clflush flushes
   emu           the non-coherent emulation, faults off
   emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
 The emulation never skips. `--backend NAME` narrows the set; `--cxl-seed N`
@@ -79,6 +80,8 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
         from cxlrt.backends.numa import nodes
         if NUMA_NODE in nodes():
             out.append(("numa", "numa", "", None))
+    if "dax" in avail:
+        out.append(("dax-file", "dax", "", None))
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
     wanted = config.getoption("--backend")

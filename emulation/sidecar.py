@@ -16,9 +16,8 @@ import os
 import struct
 import tempfile
 
-from cxlrt.shm import MUTEX_BYTES, init_robust_mutexes
-
 from cxlrt.mapping import Mapping
+from cxlrt.shm import MUTEX_BYTES, init_robust_mutexes
 from cxlrt.spec import parse_bool, parse_float_range, parse_int_range, parse_size
 
 MAGIC = int.from_bytes(b"CXLEMU01", "little")

@@ -4,6 +4,7 @@ Every algorithm test takes `backend` and runs unchanged on each of:
   file          the coherent shared file mapping
   numa          the same, bound to a NUMA node of this host (node 0 here; placement verified)
   dax-file      the dax: backend on a plain file: direct access with real clflush flushes
+  devdax        the dax: backend on $CXLRT_TEST_DAX (a real /dev/daxX.Y, e.g. in the QEMU lab)
   emu           the non-coherent emulation, faults off
   emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
 The emulation never skips. `--backend NAME` narrows the set; `--cxl-seed N`
@@ -24,6 +25,7 @@ from cxlrt import registry
 
 DEFAULT_SEED = 1
 NUMA_NODE = int(os.environ.get("CXLRT_TEST_NUMA_NODE", "0"))
+DAX_DEVICE = os.environ.get("CXLRT_TEST_DAX", "")  # e.g. /dev/dax0.0 in the QEMU CXL lab
 FAULTY = "evict=0.05&delay=1&check=1"
 
 
@@ -55,6 +57,8 @@ class BackendCase:
     def spec(self, extra: str = "") -> str:
         q = "&".join(p for p in (self.params, extra) if p)
         where = f"{NUMA_NODE}/{self.path}" if self.scheme == "numa" else self.path
+        if self.name == "devdax":
+            where = DAX_DEVICE
         return f"{self.scheme}:{where}" + (f"?{q}" if q else "")
 
     @property
@@ -62,11 +66,26 @@ class BackendCase:
         return os.path.join(self.root, "region")
 
     def create(self, *, size="4M", nodes=4, node=0, lease=None, **kw) -> cxlrt.Region:
+        if self.name == "devdax":  # a device region is the whole device, formatted afresh
+            from cxlrt.backends.dax import medium_size
+            size = medium_size(DAX_DEVICE)
+            cxlrt.format(self.spec(), size=size, nodes=nodes, force=True, lease=lease)
+            return cxlrt.open(self.spec(), node=node, **kw)
         return cxlrt.open(self.spec(), node=node, create=True, size=size, nodes=nodes,
                           lease=lease, **kw)
 
     def open(self, node: int) -> cxlrt.Region:
         return cxlrt.open(self.spec(), node=node)
+
+    def medium_word(self, off: int) -> int:
+        """The 8-byte word at `off` as the medium holds it, read without a node's cache.
+
+        For the emulation that is the file under it (its checker would rightly flag
+        a DMA read of a line some node still holds dirty); elsewhere a DMA read.
+        """
+        spec = f"file:{self.path}" if self.scheme == "emu" else self.spec()
+        with cxlrt.open(spec, node=0, observer=True) as r:
+            return int.from_bytes(r.dma_read(off, 8), "little")
 
 
 def _variants(config) -> list[tuple[str, str, str, int | None]]:
@@ -82,6 +101,8 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
             out.append(("numa", "numa", "", None))
     if "dax" in avail:
         out.append(("dax-file", "dax", "", None))
+        if DAX_DEVICE:
+            out.append(("devdax", "dax", "", None))
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
     wanted = config.getoption("--backend")

@@ -55,8 +55,7 @@ def test_mutual_exclusion_4_nodes_2_procs_each(backend, mode):
             for _ in range(per_node)]
     res = raise_failures(run_procs(_counter_worker, args, timeout=240))
     assert not [e for e in res if isinstance(e, cxlrt.CoherenceError)], res
-    with cxlrt.open(f"file:{backend.path}", node=0) as medium:
-        assert medium.load64(medium.heap[0]) == nodes * per_node * iters
+    assert backend.medium_word(r0.heap[0]) == nodes * per_node * iters
     acq = r0.lock("counter").acquisitions()
     assert acq == [per_node * iters] * nodes, acq  # every node got every turn it asked for
     if backend.faulty:
@@ -74,8 +73,7 @@ def test_skipping_the_lock_loses_updates(backend, mode, emu_only):
             for _ in range(per_node)]
     res = run_procs(_counter_worker, args, timeout=240)
     caught = [e for e in res if isinstance(e, cxlrt.CoherenceError)]
-    with cxlrt.open(f"file:{backend.path}", node=0) as medium:
-        final = medium.load64(medium.heap[0])
+    final = backend.medium_word(r0.heap[0])
     assert caught or final < nodes * per_node * iters, (final, backend.seed)
     r0.close()
 

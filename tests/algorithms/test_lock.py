@@ -42,6 +42,7 @@ def _counter_worker(spec, node, mode, iters, use_lock, barrier):
 
 def _setup(backend, mode, nodes=4):
     r0 = backend.create(nodes=nodes, lock_manager=(mode == "manager"))
+    r0.dma_write(r0.heap[0], bytes(64))  # a device keeps old heap bytes across formats
     r0.lock("counter", mode=mode)
     return r0
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 import cxlrt
+from tests.conftest import NUMA_NODE
 
 numa = pytest.importorskip("cxlrt.backends.numa")  # Linux-only module; always built here
 
 
 def test_pages_land_on_the_bound_node(region_dir):
-    node = min(numa.nodes())
+    node = NUMA_NODE if NUMA_NODE in numa.nodes() else min(numa.nodes())
     r = cxlrt.open(f"numa:{node}/{region_dir}/r", node=0, create=True, size="4M", nodes=2)
     r.dma_write(r.heap[0], b"\x01" * (1 << 20))  # fault in 256 pages of heap
     where = r.backend.verify_placement()

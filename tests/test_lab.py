@@ -1,0 +1,82 @@
+"""The hardware backends on a real Linux CXL stack, in QEMU guests (the virtual CXL lab).
+
+Each test boots TCG guests with a CXL Type-3 device (emulation/lab/) and runs this
+suite inside them: on /dev/dax0.0, on the CPU-less NUMA node the device becomes,
+and across two guests that share one device (two hosts, one CXL memory). CXL
+memory in QEMU is emulated MMIO (a few MB/s), so the guest runs leave out the two
+throughput-bound tests (the allocator stress and the 1.5 s starvation run), which
+run on every other backend. They skip, saying why, only where the lab is not set
+up; .ci/run sets it up.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAB = pathlib.Path(os.environ.get("CXLRT_LAB", pathlib.Path.home() / ".cache" / "cxlrt-lab"))
+SCRIPTS = ROOT / "emulation" / "lab"
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.skipif(not (LAB / "initramfs.cpio.gz").exists() or not shutil.which(
+        "qemu-system-x86_64"), reason="the virtual CXL lab is not set up on this machine: "
+        "run `bash emulation/lab/setup.sh` (QEMU >= 8 from Debian backports, a 6.12 kernel)"),
+]
+
+
+def _mounts():
+    # The checkout and the Python install at the same paths in the guest, so the
+    # editable install and its compiled modules resolve there as they do here.
+    out = []
+    for p in {str(ROOT), sys.base_prefix, sys.prefix}:
+        out += ["--mount", f"{p}:{p}"]
+    return out
+
+
+def _guest_pytest(env, args):
+    return (f"cd {ROOT} && export PYTHONDONTWRITEBYTECODE=1 {env} && "
+            f"{sys.executable} -m pytest -q -p no:cacheprovider {args}")
+
+
+def _run(cmd, timeout=900):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    tail = "\n".join((p.stdout + p.stderr).splitlines()[-25:])
+    assert p.returncode == 0, f"lab run failed (exit {p.returncode}):\n{tail}"
+    return p.stdout
+
+
+@pytest.mark.slow
+def test_backend_suite_on_devdax_in_a_guest():
+    out = _run(["bash", str(SCRIPTS / "run.sh"), "--cxl", "devdax", *_mounts(), "--",
+                _guest_pytest("CXLRT_TEST_DAX=/dev/dax0.0",
+                              "tests/test_dax.py tests/algorithms/ "
+                              "-k 'not starve and not stress' --backend devdax")])
+    assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.slow
+def test_backend_suite_on_a_cpu_less_numa_node_in_a_guest():
+    out = _run(["bash", str(SCRIPTS / "run.sh"), "--cxl", "numa", *_mounts(), "--",
+                "numactl -H | grep -q '^node 1 cpus: *$' && " + _guest_pytest(
+                    "CXLRT_TEST_NUMA_NODE=1",
+                    "tests/test_numa.py tests/algorithms/test_region_ops.py "
+                    "tests/algorithms/test_directory.py tests/algorithms/test_lock.py "
+                    "-k 'not starve' --backend numa")])
+    assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.slow
+def test_two_guests_share_one_cxl_device():
+    node = [f"cd {ROOT} && PYTHONDONTWRITEBYTECODE=1 {sys.executable} "
+            f"tests/lab/pair_node.py {n} 300" for n in (0, 1)]
+    out = _run(["bash", str(SCRIPTS / "pair.sh"), *_mounts(), "--", node[0], "--", node[1]])
+    for n in (0, 1):
+        assert f"node {n}: counter 600 (expected 600)" in out
+        assert "other node's 8 blocks verified" in out

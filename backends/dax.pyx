@@ -16,9 +16,9 @@ from libc.string cimport memcpy
 
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_PERSISTENT,
                             CXL_CAP_SHARED_HOSTS, CXL_F_DIRECT, Backend, cxl_ops)
+from cxlrt.direct cimport direct_load, direct_load64, direct_store, direct_store64
 from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_flush_range,
-                                    cxl_flushopt_range, cxl_load64_volatile,
-                                    cxl_store64_volatile)
+                                    cxl_flushopt_range)
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.errors import RegionError, RegionSizeError
@@ -93,26 +93,6 @@ def is_device(str path):
 
 # --- ops: direct, non-coherent ------------------------------------------------------
 
-cdef int _load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    memcpy(dst, <char*>ctx + off, n)
-    return 0
-
-
-cdef int _store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    memcpy(<char*>ctx + off, src, n)
-    return 0
-
-
-cdef int _load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
-    out[0] = cxl_load64_volatile(<char*>ctx + off)
-    return 0
-
-
-cdef int _store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
-    cxl_store64_volatile(<char*>ctx + off, v)
-    return 0
-
-
 cdef int _flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflush every line: written back and invalidated before we return (publish/observe)."""
     cxl_flush_range(<char*>ctx + off, n)
@@ -147,10 +127,10 @@ cdef int _dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexce
 
 
 cdef cxl_ops DAX_OPS
-DAX_OPS.load = _load
-DAX_OPS.store = _store
-DAX_OPS.load64 = _load64
-DAX_OPS.store64 = _store64
+DAX_OPS.load = direct_load
+DAX_OPS.store = direct_store
+DAX_OPS.load64 = direct_load64
+DAX_OPS.store64 = direct_store64
 DAX_OPS.flush = _flush
 DAX_OPS.flush_nodrain = _flush_nodrain
 DAX_OPS.fence = _fence

@@ -7,68 +7,23 @@ This is the embedded default for one host and the baseline the emulation is
 measured against.
 """
 
-from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
-
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
                             CXL_F_DIRECT, CXL_F_NOFLUSH, Backend, cxl_ops)
-from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
-                                    cxl_store64_volatile)
+from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
+                           direct_noflush, direct_store, direct_store64)
 from cxlrt.mapping cimport Mapping
 
 
-cdef int _load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    """Copy out of the shared pages."""
-    memcpy(dst, <char*>ctx + off, n)
-    return 0
-
-
-cdef int _store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    """Copy into the shared pages."""
-    memcpy(<char*>ctx + off, src, n)
-    return 0
-
-
-cdef int _load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
-    """One volatile 8-byte load."""
-    out[0] = cxl_load64_volatile(<char*>ctx + off)
-    return 0
-
-
-cdef int _store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
-    """One volatile 8-byte store."""
-    cxl_store64_volatile(<char*>ctx + off, v)
-    return 0
-
-
-cdef int _flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
-    """Coherent medium: nothing to write back."""
-    return 0
-
-
-cdef int _fence(void* ctx) noexcept nogil:
-    """Store-load ordering between processes still needs the CPU fence."""
-    cxl_fence_full()
-    return 0
-
-
-cdef int _dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    """Bulk copy in; the drain makes it visible before any later flag store."""
-    memcpy(<char*>ctx + off, src, n)
-    cxl_fence_drain()
-    return 0
-
-
 cdef cxl_ops FILE_OPS
-FILE_OPS.load = _load
-FILE_OPS.store = _store
-FILE_OPS.load64 = _load64
-FILE_OPS.store64 = _store64
-FILE_OPS.flush = _flush
-FILE_OPS.flush_nodrain = _flush
-FILE_OPS.fence = _fence
-FILE_OPS.dma_read = _load
-FILE_OPS.dma_write = _dma_write
+FILE_OPS.load = direct_load
+FILE_OPS.store = direct_store
+FILE_OPS.load64 = direct_load64
+FILE_OPS.store64 = direct_store64
+FILE_OPS.flush = direct_noflush
+FILE_OPS.flush_nodrain = direct_noflush
+FILE_OPS.fence = direct_fence
+FILE_OPS.dma_read = direct_load
+FILE_OPS.dma_write = direct_dma_write
 
 PARAMS = {}
 """Spec parameters accepted by ``file:`` (none)."""

@@ -14,14 +14,13 @@ free memory).
 
 import os
 
-from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
                             CXL_F_DIRECT, CXL_F_NOFLUSH, Backend, cxl_ops)
-from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
-                                    cxl_store64_volatile)
+from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
+                           direct_noflush, direct_store, direct_store64)
+from cxlrt.includes.intrin cimport cxl_load64_volatile
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.errors import RegionError
@@ -112,55 +111,17 @@ def medium_path(str spec_path):
     return parse_path(spec_path)[1]
 
 
-# --- ops: the coherent direct path, as for file: ----------------------------------------
-
-cdef int _load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    memcpy(dst, <char*>ctx + off, n)
-    return 0
-
-
-cdef int _store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    memcpy(<char*>ctx + off, src, n)
-    return 0
-
-
-cdef int _load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
-    out[0] = cxl_load64_volatile(<char*>ctx + off)
-    return 0
-
-
-cdef int _store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
-    cxl_store64_volatile(<char*>ctx + off, v)
-    return 0
-
-
-cdef int _flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
-    """One host's memory is coherent, whichever node it sits on."""
-    return 0
-
-
-cdef int _fence(void* ctx) noexcept nogil:
-    cxl_fence_full()
-    return 0
-
-
-cdef int _dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    """Bulk copy in; the drain orders it before any later flag store."""
-    memcpy(<char*>ctx + off, src, n)
-    cxl_fence_drain()
-    return 0
-
-
 cdef cxl_ops NUMA_OPS
-NUMA_OPS.load = _load
-NUMA_OPS.store = _store
-NUMA_OPS.load64 = _load64
-NUMA_OPS.store64 = _store64
-NUMA_OPS.flush = _flush
-NUMA_OPS.flush_nodrain = _flush
-NUMA_OPS.fence = _fence
-NUMA_OPS.dma_read = _load
-NUMA_OPS.dma_write = _dma_write
+# One host's memory is coherent, whichever node it sits on: the file: slots.
+NUMA_OPS.load = direct_load
+NUMA_OPS.store = direct_store
+NUMA_OPS.load64 = direct_load64
+NUMA_OPS.store64 = direct_store64
+NUMA_OPS.flush = direct_noflush
+NUMA_OPS.flush_nodrain = direct_noflush
+NUMA_OPS.fence = direct_fence
+NUMA_OPS.dma_read = direct_load
+NUMA_OPS.dma_write = direct_dma_write
 
 
 cdef class NumaBackend(Backend):

@@ -1,0 +1,51 @@
+# The cxl_ops slots of a plainly mapped medium, written once for every backend
+# whose `ctx` is its base pointer (file:, numa:, dax:). Declared inline here so
+# each backend module takes their addresses for its own ops table.
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
+
+from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
+                                    cxl_store64_volatile)
+
+
+cdef inline int direct_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Copy out of the mapping."""
+    memcpy(dst, <char*>ctx + off, n)
+    return 0
+
+
+cdef inline int direct_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
+    """Copy into the mapping."""
+    memcpy(<char*>ctx + off, src, n)
+    return 0
+
+
+cdef inline int direct_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
+    """One volatile 8-byte load."""
+    out[0] = cxl_load64_volatile(<char*>ctx + off)
+    return 0
+
+
+cdef inline int direct_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
+    """One volatile 8-byte store."""
+    cxl_store64_volatile(<char*>ctx + off, v)
+    return 0
+
+
+cdef inline int direct_noflush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
+    """A coherent medium has nothing to write back."""
+    return 0
+
+
+cdef inline int direct_fence(void* ctx) noexcept nogil:
+    """Store-load ordering between processes still needs the CPU fence."""
+    cxl_fence_full()
+    return 0
+
+
+cdef inline int direct_dma_write(void* ctx, uint64_t off, const void* src,
+                                 uint64_t n) noexcept nogil:
+    """Bulk copy in; the drain orders it before any later flag store."""
+    memcpy(<char*>ctx + off, src, n)
+    cxl_fence_drain()
+    return 0

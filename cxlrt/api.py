@@ -184,6 +184,16 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
     return region
 
 
+def _forget_node_files(spec: str) -> None:
+    """Remove the node-local files of the format a reformat replaces (best effort)."""
+    from cxlrt.nodelocal import remove_files
+    try:
+        old = inspect(spec)
+    except (OSError, ValueError, RegionError):
+        return
+    remove_files(int(old["uuid"], 16), old["nodes"])
+
+
 def _lease_ms(lease: float | None) -> int:
     if lease is None:
         return _sb.DEFAULT_LEASE_MS
@@ -216,6 +226,7 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
         if not force:
             raise FileExistsError(f"{fs!r} already exists; pass --force (force=True) to "
                                   "reformat it, which destroys its contents")
+        _forget_node_files(str(s))
         _create_file(fs, size, exclusive=False)
     backend = cls(s.path, params, 0, size)
     region = Region(backend, str(s))

@@ -125,11 +125,13 @@ def emu_only():
 
 
 @pytest.fixture
-def backend(request):
+def backend(request, monkeypatch):
     name, scheme, params, seed = request.param
     root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
                         f"cxlrt-test-{uuid.uuid4().hex[:12]}")
     os.makedirs(root, mode=0o700)
+    # Node-local lock files go with the test's folder, not into /dev/shm for good.
+    monkeypatch.setenv("CXLRT_LOCAL_DIR", root)
     request.node.cxl_seed = seed
     request.node.cxl_backend = name
     try:
@@ -139,11 +141,12 @@ def backend(request):
 
 
 @pytest.fixture
-def region_dir():
+def region_dir(monkeypatch):
     """A private tmpfs folder for tests that build their own specs."""
     root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
                         f"cxlrt-test-{uuid.uuid4().hex[:12]}")
     os.makedirs(root, mode=0o700)
+    monkeypatch.setenv("CXLRT_LOCAL_DIR", root)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 

@@ -1,8 +1,6 @@
-from cxlrt.backend cimport Backend
-from cxlrt.mapping cimport Mapping
+from cxlrt.backend cimport MappedBackend
 
 
-cdef class DaxBackend(Backend):
-    cdef readonly Mapping mapping  # the device or file mapping
+cdef class DaxBackend(MappedBackend):
     cdef readonly str mode         # "devdax" or "fsdax"
     cdef readonly bint map_sync    # fsdax: MAP_SYNC was granted (stores are persistent)

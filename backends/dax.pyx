@@ -15,7 +15,7 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_PERSISTENT,
-                            CXL_CAP_SHARED_HOSTS, CXL_F_DIRECT, Backend, cxl_ops)
+                            CXL_CAP_SHARED_HOSTS, CXL_F_DIRECT, MappedBackend, cxl_ops)
 from cxlrt.direct cimport direct_load, direct_load64, direct_store, direct_store64
 from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_flush_range,
                                     cxl_flushopt_range)
@@ -138,7 +138,7 @@ DAX_OPS.dma_read = _dma_read
 DAX_OPS.dma_write = _dma_write
 
 
-cdef class DaxBackend(Backend):
+cdef class DaxBackend(MappedBackend):
     """A devdax device or fsdax file, mapped directly; non-coherent across hosts."""
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
@@ -154,37 +154,21 @@ cdef class DaxBackend(Backend):
         self.params = dict(params)
         self.mode = mode
         self.map_sync = False
+        m = None
         if mode == "fsdax" and params["sync"] != "off":
             try:
-                self.mapping = Mapping(path, size, MAP_SHARED_VALIDATE | MAP_SYNC)
+                m = Mapping(path, size, MAP_SHARED_VALIDATE | MAP_SYNC)
                 self.map_sync = True
             except OSError as e:
                 if params["sync"] == "require":
                     raise RegionError(f"dax:{path}: MAP_SYNC refused ({e.strerror}): the file "
                                       "is not on a DAX filesystem") from None
-        if self.mapping is None:
-            self.mapping = Mapping(path, size)
-        self.reg.base = self.mapping.base
-        self.reg.size = size
-        self.reg.caps = CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE | CXL_CAP_SHARED_HOSTS
+        caps = CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE | CXL_CAP_SHARED_HOSTS
         if self.map_sync:
-            self.reg.caps |= CXL_CAP_PERSISTENT  # MAP_SYNC: a flushed store is durable
+            caps |= CXL_CAP_PERSISTENT  # MAP_SYNC: a flushed store is durable
         # Direct volatile loads and stores, but flushes are real: not CXL_F_NOFLUSH.
-        self.reg.flags = CXL_F_DIRECT
-        self.reg.node = node
-        self.reg.ctx = <void*>self.mapping.base
-        self.reg.ops = &DAX_OPS
-        self.reg.closed = 0
-
-    def bind(self, int nodes, unsigned long long uuid, bint fresh):
-        """Nothing per node: every node sees the medium directly."""
-
-    cpdef close(self):
-        self.mapping.close()  # raises while views are alive; we stay open then
-        self.reg.closed = 1
-
-    def view(self, unsigned long long off, unsigned long long n):
-        return self.mapping.view(off, n)
+        self._use_mapping(m if m is not None else Mapping(path, size), caps, CXL_F_DIRECT,
+                          node, &DAX_OPS)
 
     def stats(self):
         return {"mode": self.mode, "map_sync": self.map_sync}

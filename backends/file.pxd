@@ -1,6 +1,5 @@
-from cxlrt.backend cimport Backend
-from cxlrt.mapping cimport Mapping
+from cxlrt.backend cimport MappedBackend
 
 
-cdef class FileBackend(Backend):
-    cdef readonly Mapping mapping  # the shared mapping of the region file
+cdef class FileBackend(MappedBackend):
+    pass

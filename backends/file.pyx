@@ -8,7 +8,7 @@ measured against.
 """
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
-                            CXL_F_DIRECT, CXL_F_NOFLUSH, Backend, cxl_ops)
+                            CXL_F_DIRECT, CXL_F_NOFLUSH, MappedBackend, cxl_ops)
 from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
                            direct_noflush, direct_store, direct_store64)
 from cxlrt.mapping cimport Mapping
@@ -29,7 +29,7 @@ PARAMS = {}
 """Spec parameters accepted by ``file:`` (none)."""
 
 
-cdef class FileBackend(Backend):
+cdef class FileBackend(MappedBackend):
     """A coherent shared file mapping.
 
     Parameters
@@ -48,23 +48,6 @@ cdef class FileBackend(Backend):
         self.scheme = "file"
         self.path = path
         self.params = dict(params)
-        self.mapping = Mapping(path, size)
-        self.reg.base = self.mapping.base
-        self.reg.size = size
-        self.reg.caps = CXL_CAP_COHERENT | CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE
-        self.reg.flags = CXL_F_DIRECT | CXL_F_NOFLUSH
-        self.reg.node = node
-        self.reg.ctx = <void*>self.mapping.base
-        self.reg.ops = &FILE_OPS
-        self.reg.closed = 0
-
-    def bind(self, int nodes, unsigned long long uuid, bint fresh):
-        """Nothing per node to set up: the medium is coherent."""
-
-    cpdef close(self):
-        self.mapping.close()  # raises while views are alive; we stay open then
-        self.reg.closed = 1
-        # base stays addressable (retired, anonymous) until the Mapping is freed.
-
-    def view(self, unsigned long long off, unsigned long long n):
-        return self.mapping.view(off, n)
+        self._use_mapping(Mapping(path, size),
+                          CXL_CAP_COHERENT | CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE,
+                          CXL_F_DIRECT | CXL_F_NOFLUSH, node, &FILE_OPS)

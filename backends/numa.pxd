@@ -1,7 +1,5 @@
-from cxlrt.backend cimport Backend
-from cxlrt.mapping cimport Mapping
+from cxlrt.backend cimport MappedBackend
 
 
-cdef class NumaBackend(Backend):
-    cdef readonly Mapping mapping  # the shared mapping, bound to one NUMA node
+cdef class NumaBackend(MappedBackend):
     cdef readonly int numa_node    # where its pages must live

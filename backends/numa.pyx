@@ -17,7 +17,7 @@ import os
 from libc.stdlib cimport free, malloc
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
-                            CXL_F_DIRECT, CXL_F_NOFLUSH, Backend, cxl_ops)
+                            CXL_F_DIRECT, CXL_F_NOFLUSH, MappedBackend, cxl_ops)
 from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
                            direct_noflush, direct_store, direct_store64)
 from cxlrt.includes.intrin cimport cxl_load64_volatile
@@ -124,7 +124,7 @@ NUMA_OPS.dma_read = direct_load
 NUMA_OPS.dma_write = direct_dma_write
 
 
-cdef class NumaBackend(Backend):
+cdef class NumaBackend(MappedBackend):
     """A shared tmpfs mapping bound to one NUMA node (see the module docstring)."""
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
@@ -137,30 +137,21 @@ cdef class NumaBackend(Backend):
         self.path = path
         self.params = dict(params)
         self.numa_node = numa_node
-        self.mapping = Mapping(fs_path, size)
+        m = Mapping(fs_path, size)
         for i in range(16):
             mask[i] = 0
         mask[numa_node // 64] = 1UL << (numa_node % 64)
         # Bind before first touch: for a shared tmpfs mapping the policy is kept by
         # the file, so pages any process faults in later land on this node too.
-        rc = syscall(SYS_mbind, <void*>self.mapping.base, <unsigned long>size, MPOL_BIND,
+        rc = syscall(SYS_mbind, <void*>(<Mapping>m).base, <unsigned long>size, MPOL_BIND,
                      &mask[0], <unsigned long>(MAX_NODE_BITS + 1), MPOL_MF_STRICT | MPOL_MF_MOVE)
         if rc != 0:
             err = errno
-            self.mapping.close()
+            m.close()
             raise RegionError(f"numa:{path}: cannot bind the region to NUMA node {numa_node}: "
                               f"{os.strerror(err)}")
-        self.reg.base = self.mapping.base
-        self.reg.size = size
-        self.reg.caps = CXL_CAP_COHERENT | CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE
-        self.reg.flags = CXL_F_DIRECT | CXL_F_NOFLUSH
-        self.reg.node = node
-        self.reg.ctx = <void*>self.mapping.base
-        self.reg.ops = &NUMA_OPS
-        self.reg.closed = 0
-
-    def bind(self, int nodes, unsigned long long uuid, bint fresh):
-        """Nothing per cxlrt node: the medium is coherent on this host."""
+        self._use_mapping(m, CXL_CAP_COHERENT | CXL_CAP_MAPPABLE | CXL_CAP_DMA_REGISTRABLE,
+                          CXL_F_DIRECT | CXL_F_NOFLUSH, node, &NUMA_OPS)
 
     def placement(self, unsigned long long off=0, unsigned long long n=0, bint touch=False):
         """{numa node: pages} of [off, off+n) (default: the whole region).
@@ -211,13 +202,6 @@ cdef class NumaBackend(Backend):
             raise RegionError(f"numa:{self.path}: {sum(wrong.values())} page(s) are on node(s) "
                               f"{sorted(wrong)} instead of {self.numa_node}")
         return where
-
-    cpdef close(self):
-        self.mapping.close()  # raises while views are alive; we stay open then
-        self.reg.closed = 1
-
-    def view(self, unsigned long long off, unsigned long long n):
-        return self.mapping.view(off, n)
 
     def stats(self):
         where = self.placement()

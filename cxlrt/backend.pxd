@@ -19,6 +19,8 @@ from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_fence_release, cxl_fence
                                     cxl_store64_volatile, likely, unlikely)
 from libc.string cimport memcpy
 
+from cxlrt.mapping cimport Mapping
+
 
 cdef enum:
     CXLRT_E_RANGE = -1001      # offset/length outside the region or misaligned
@@ -83,6 +85,13 @@ cdef class Backend:
 
     cdef cxl_region* region(self) except NULL
     cpdef close(self)
+
+
+cdef class MappedBackend(Backend):
+    cdef readonly Mapping mapping  # the medium, mapped whole; base = mapping.base
+
+    cdef _use_mapping(self, Mapping m, uint32_t caps, uint32_t flags, int node,
+                      const cxl_ops* ops)
 
 
 # --- fast paths ---------------------------------------------------------------

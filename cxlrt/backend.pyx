@@ -1,6 +1,10 @@
 # cython: language_level=3
 """Base class of every backend; the C contract is in backend.pxd."""
 
+from libc.stdint cimport uint32_t
+
+from cxlrt.mapping cimport Mapping
+
 from cxlrt.errors import RegionClosedError
 
 
@@ -49,3 +53,32 @@ cdef class Backend:
 
     def __dealloc__(self):
         self.reg.closed = 1
+
+
+cdef class MappedBackend(Backend):
+    """A backend whose medium is one plain mapping and whose ctx is its base pointer
+    (file:, numa:, dax:): the shared setup, close and view."""
+
+    cdef _use_mapping(self, Mapping m, uint32_t caps, uint32_t flags, int node,
+                      const cxl_ops* ops):
+        self.mapping = m
+        self.reg.base = m.base
+        self.reg.size = m.size
+        self.reg.caps = caps
+        self.reg.flags = flags
+        self.reg.node = node
+        self.reg.ctx = <void*>m.base
+        self.reg.ops = ops
+        self.reg.closed = 0
+
+    def bind(self, int nodes, unsigned long long uuid, bint fresh):
+        """Nothing per node: every node sees the mapped medium directly."""
+
+    cpdef close(self):
+        if self.mapping is not None:
+            self.mapping.close()  # raises while views are alive; we stay open then
+        self.reg.closed = 1
+        # base stays addressable (retired, anonymous) until the Mapping is freed.
+
+    def view(self, unsigned long long off, unsigned long long n):
+        return self.mapping.view(off, n)

@@ -54,6 +54,8 @@ MODULES = [
     ("cxlrt.lock", "cxlrt/lock.pyx"),
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
+    ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
+    ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
     ("cxlrt.backends.numa", "backends/numa.pyx"),
     ("cxlrt.backends.dax", "backends/dax.pyx"),

@@ -20,14 +20,16 @@ from cxlrt.errors import (
     RegionSizeError,
     UnsupportedError,
 )
+from cxlrt.hashing import block_hashes
+from cxlrt.kvcache import Hit, KVCache, SchemeMismatchError
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "InvalidFreeError",
+    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache",
     "LayoutVersionError", "NodeRangeError", "NotARegionError", "OutOfMemory", "OutOfRangeError",
-    "Region", "RegionClosedError", "RegionError", "RegionSizeError", "UnsupportedError",
-    "format", "inspect", "open", "parse_size", "parse_spec",
+    "Region", "RegionClosedError", "RegionError", "RegionSizeError", "SchemeMismatchError",
+    "UnsupportedError", "block_hashes", "format", "inspect", "open", "parse_size", "parse_spec",
 ]

@@ -40,3 +40,5 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil
 cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil
 cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil
+cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
+cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil

@@ -410,6 +410,29 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     return rc
 
 
+cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """Take only lock `id`'s node-local mutex: serialises this node's processes
+    over state that only this node writes (a KV cache's pin counters), with no
+    global tier. 0, or a negative errno. A dead previous holder is harmless: each
+    word it wrote was written whole."""
+    cdef cxl_local_lock* s = _slot(L, id)
+    cdef int rc = cxl_mutex_trylock(&s.m)
+    if rc < 0:
+        rc = cxl_mutex_lock(&s.m)
+    if rc < 0:
+        return rc
+    s.holder_pid = <uint32_t>cxl_pid()
+    s.holder_tid = cxl_thread_id()
+    return 0
+
+
+cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    cdef cxl_local_lock* s = _slot(L, id)
+    s.holder_pid = 0
+    s.holder_tid = 0
+    cxl_mutex_unlock(&s.m)
+
+
 cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
     """If a dead process of our node holds `id`, clear its hold. 1 if it did."""
     cdef cxl_local_lock* s = _slot(L, id)

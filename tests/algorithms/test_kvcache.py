@@ -1,0 +1,465 @@
+"""The prefix KV cache, written once, on every backend, across processes and nodes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import cxlrt
+from cxlrt.kvcache import forge_entry
+from tests.nodes import _CTX, raise_failures, run_procs
+
+BB = 4096  # block bytes in most tests
+
+
+def block_for(key: bytes, bb: int = BB) -> bytes:
+    """The bytes every test stores under `key`, so any node can verify a load."""
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (bb // 32 + 1))[:bb]
+
+
+def chain(conv: int, nblocks: int, shared: int = 0) -> list[int]:
+    """Tokens of a prompt: `shared` blocks common to all, then per-conversation blocks."""
+    toks = list(range(16 * shared))
+    toks += [100_000 + conv * 10_000 + i for i in range(16 * (nblocks - shared))]
+    return toks
+
+
+def open_cache(r, **kw):
+    kw.setdefault("block_bytes", BB)
+    kw.setdefault("capacity_blocks", 64)
+    return cxlrt.KVCache(r, "kv", **kw)
+
+
+def test_store_lookup_load_round_trip_across_nodes(backend):
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    ca, cb = open_cache(a), open_cache(b)
+    keys = ca.block_hashes(chain(0, 6))
+    stored = ca.store(keys, [block_for(k) for k in keys])
+    assert stored == keys
+    with cb.lookup(keys) as hit:
+        assert len(hit) == 6 and hit.keys == keys and hit.nbytes == 6 * BB
+        out = cb.load(hit)
+        assert out.shape == (6, BB)
+        assert [out[i].tobytes() for i in range(6)] == [block_for(k) for k in keys]
+    st = cb.stats()
+    assert st["hits"] == 6 and st["stores"] == 6 and st["occupancy"] == 6
+    assert st["bytes_stored"] == 6 * BB and st["bytes_loaded"] == 6 * BB
+    a.close()
+    b.close()
+
+
+def test_lookup_returns_the_leading_run_only(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 5))
+    c.store(keys[:2] + keys[3:], [block_for(k) for k in keys[:2] + keys[3:]])
+    with c.lookup(keys) as hit:
+        assert len(hit) == 2  # block 2 is missing: later blocks cannot be used
+    other = c.block_hashes(chain(1, 5))
+    with c.lookup(other) as hit:
+        assert len(hit) == 0
+    st = c.stats()
+    assert (st["hits"], st["misses"], st["lookups"]) == (2, 3 + 5, 2)
+    r.close()
+
+
+def test_load_targets(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 3))
+    want = [block_for(k) for k in keys]
+    c.store(keys, b"".join(want))  # one contiguous source buffer
+    with c.lookup(keys) as hit:
+        t = torch.empty(3 * BB // 4, dtype=torch.float32)  # a torch tensor, any dtype
+        c.load(hit, t)
+        assert t.view(torch.uint8).numpy().tobytes() == b"".join(want)
+        parts = [bytearray(BB) for _ in range(3)]  # one buffer per block
+        c.load(hit, parts)
+        assert [bytes(p) for p in parts] == want
+        tail = np.zeros((2, BB), np.uint8)
+        c.load(hit, tail, start=1)
+        assert tail.tobytes() == b"".join(want[1:])
+        if r.caps & cxlrt.Caps.MAPPABLE:
+            views = c.views(hit)
+            assert [bytes(v) for v in views] == want and views[0].readonly
+            del views  # a live view keeps the region from closing
+        else:
+            with pytest.raises(cxlrt.UnsupportedError):
+                c.views(hit)
+    r.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: the CUDA load path (host-registered region, "
+                           "async copies) runs where a GPU is present")
+def test_load_into_cuda_tensor(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 4))
+    c.store(keys, [block_for(k) for k in keys])
+    with c.lookup(keys) as hit:
+        dst = torch.empty(4 * BB, dtype=torch.uint8, device="cuda")
+        c.load(hit, dst)
+        assert dst.cpu().numpy().tobytes() == b"".join(block_for(k) for k in keys)
+    r.close()
+
+
+def test_duplicate_store_is_skipped(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 4))
+    assert c.store(keys[:2], [block_for(k) for k in keys[:2]]) == keys[:2]
+    assert c.store(keys, [block_for(k) for k in keys]) == keys[2:]
+    assert c.stats()["skipped"] == 2
+    assert sorted(e["key"] for e in c.entries()) == sorted(keys)
+    r.close()
+
+
+def _store_same(spec, node, keys, rounds):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r)
+    won = 0
+    for _ in range(rounds):
+        won += len(c.store(keys, [block_for(k) for k in keys]))
+    with c.lookup(keys) as hit:
+        assert len(hit) == len(keys)
+        out = c.load(hit)
+        for i, k in enumerate(keys):
+            assert out[i].tobytes() == block_for(k), f"node {node}: block {i} differs"
+    r.close()
+    return won
+
+
+def test_concurrent_stores_of_the_same_keys_leave_one_entry_each(backend):
+    r = backend.create(nodes=4)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 24))
+    won = raise_failures(run_procs(_store_same, [(backend.spec(), n, keys, 3)
+                                                 for n in range(4)]))
+    assert sum(won) == len(keys)  # exactly one store won each key
+    entries = c.entries()
+    assert sorted(e["key"] for e in entries) == sorted(keys)
+    assert all(e["state"] == "ready" for e in entries)
+    assert c.stats()["occupancy"] == len(keys)
+    r.close()
+
+
+def _serve(spec, node, conv_ids, rounds, seed):
+    """Look up a prompt, load and verify what hit, store the rest: a prefill worker."""
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=48)
+    rnd = np.random.default_rng(seed * 31 + node)
+    hits = loaded = 0
+    for _ in range(rounds):
+        conv = int(rnd.choice(conv_ids))
+        keys = c.block_hashes(chain(conv, int(rnd.integers(4, 12)), shared=3))
+        with c.lookup(keys) as hit:
+            n = len(hit)
+            if n:
+                out = c.load(hit)
+                for i in range(n):
+                    assert out[i].tobytes() == block_for(keys[i]), \
+                        f"node {node}: loaded block {i} is not what was stored"
+                loaded += n
+            hits += n
+        c.store(keys[n:], [block_for(k) for k in keys[n:]])
+    r.close()
+    return hits, loaded
+
+
+def test_overlapping_prefixes_from_several_processes(backend):
+    """4 nodes x 2 processes share a system prompt; eviction runs (48 blocks for ~100)."""
+    r = backend.create(nodes=4, size="8M")
+    c = open_cache(r, capacity_blocks=48)
+    seed = backend.seed or 0
+    args = [(backend.spec(), n % 4, [n % 5, (n + 1) % 5, 7], 40, seed) for n in range(8)]
+    res = raise_failures(run_procs(_serve, args, timeout=240))
+    st = c.stats()
+    assert sum(h for h, _ in res) == st["hits"] > 0
+    assert st["evictions"] > 0, st
+    assert st["occupancy"] <= 48
+    assert all(e["state"] == "ready" for e in c.entries())
+    assert len(c.entries()) == st["occupancy"]
+    r.close()
+
+
+def _verify_pinned(spec, node, keys, q_ready, q_stop):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=16)
+    hit = c.lookup(keys)
+    assert len(hit) == len(keys), "the pinned blocks were not all present"
+    q_ready.put(1)
+    checks = 0
+    while q_stop.empty() or checks < 3:
+        out = c.load(hit)
+        for i, k in enumerate(keys):
+            assert out[i].tobytes() == block_for(k), f"pinned block {i} changed under a pin"
+        if r.caps & cxlrt.Caps.MAPPABLE:
+            assert bytes(c.views(hit)[0]) == block_for(keys[0])
+        checks += 1
+        time.sleep(0.002)
+    hit.release()
+    r.close()
+    return checks
+
+
+def _fill(spec, node, conv, n, broken=False):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=16)
+    c._ignore_pins = broken
+    stored = 0
+    for i in range(n):
+        keys = c.block_hashes(chain(conv * 1000 + i, 4))
+        stored += len(c.store(keys, [block_for(k) for k in keys]))
+    r.close()
+    return stored
+
+
+def test_eviction_never_frees_a_pinned_block(backend):
+    r = backend.create(nodes=3)
+    c = open_cache(r, capacity_blocks=16)
+    keys = c.block_hashes(chain(0, 4))
+    c.store(keys, [block_for(k) for k in keys])
+    q_ready, q_stop = _CTX.Queue(), _CTX.Queue()
+    reader = _CTX.Process(target=_verify_pinned, args=(backend.spec(), 1, keys, q_ready, q_stop))
+    reader.start()
+    try:
+        q_ready.get(timeout=60)
+        stored = raise_failures(run_procs(_fill, [(backend.spec(), 2, 1, 30),
+                                                  (backend.spec(), 0, 2, 30)]))
+        assert sum(stored) > 16  # the cache turned over several times around the pins
+        st = c.stats()
+        assert st["evictions"] >= sum(stored) - 12
+        with c.lookup(keys) as hit:
+            assert len(hit) == 4  # still there: pinned all along
+    finally:
+        q_stop.put(1)
+        reader.join(60)
+    assert reader.exitcode == 0, "the reader saw a pinned block change (see its traceback)"
+    with c.lookup(keys) as hit:
+        assert len(hit) == 4
+    r.close()
+
+
+def test_an_evictor_that_ignores_pins_is_caught(backend):
+    """The broken protocol: evict without reading pins. The pinned reader must notice."""
+    r = backend.create(nodes=3)
+    c = open_cache(r, capacity_blocks=16)
+    keys = c.block_hashes(chain(0, 4))
+    c.store(keys, [block_for(k) for k in keys])
+    q_ready, q_stop = _CTX.Queue(), _CTX.Queue()
+    reader = _CTX.Process(target=_verify_pinned, args=(backend.spec(), 1, keys, q_ready, q_stop))
+    reader.start()
+    try:
+        q_ready.get(timeout=60)
+        # node 0 allocated the pinned payloads, so its frees make them reusable at once
+        raise_failures(run_procs(_fill, [(backend.spec(), 0, 1, 30, True)]))
+        time.sleep(0.05)  # the reader polls every 2 ms
+    finally:
+        q_stop.put(1)
+        reader.join(60)
+    assert reader.exitcode != 0, "a pinned block was evicted and reused, and no reader noticed"
+    r.close()
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_block(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=16)
+    a, b, d = (c.block_hashes(chain(i, 1)) for i in range(3))
+    fill = [c.block_hashes(chain(10 + i, 1))[0] for i in range(13)]
+    c.store(a, [block_for(a[0])])
+    time.sleep(0.003)
+    c.store(b, [block_for(b[0])])
+    time.sleep(0.003)
+    c.store(fill, [block_for(k) for k in fill])
+    time.sleep(0.003)
+    with c.lookup(a):  # a becomes the most recently used
+        pass
+    time.sleep(0.003)
+    c.store(d, [block_for(d[0])])     # 16 of 16: the next store must evict
+    assert c.stats()["occupancy"] == 16
+    new = c.block_hashes(chain(99, 1))
+    assert c.store(new, [block_for(new[0])]) == new
+    with c.lookup(b) as hit:
+        assert len(hit) == 0        # b was least recently used
+    with c.lookup(a) as hit:
+        assert len(hit) == 1
+    assert c.stats()["evictions"] >= 1
+    r.close()
+
+
+def test_a_full_cache_of_pinned_blocks_stores_nothing_and_says_so(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    more = c.block_hashes(chain(1, 4))
+    with c.lookup(keys) as hit:
+        assert len(hit) == 8
+        assert c.store(more, [block_for(k) for k in more]) == []  # no room: not an error
+    assert c.store(more, [block_for(k) for k in more]) == more  # unpinned now: evicts
+    r.close()
+
+
+def _lookups_while_locked(spec, node, keys, n):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r)
+    for _ in range(n):
+        with c.lookup(keys) as hit:
+            assert len(hit) == len(keys)
+            out = c.load(hit)
+            assert out[-1].tobytes() == block_for(keys[-1])
+    r.close()
+    return n
+
+
+def test_lookups_complete_while_another_node_holds_the_cache_lock(backend):
+    r = backend.create(nodes=2)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    lock = r.lock("kv:kv")  # the cache's global lock
+    with lock:
+        done = raise_failures(run_procs(_lookups_while_locked,
+                                        [(backend.spec(), 1, keys, 50)], timeout=60))
+    assert done == [50]
+    r.close()
+
+
+class _DiesMidCopy(cxlrt.KVCache):
+    def _copy(self, reserved, ks, srcs):
+        os._exit(9)  # SIGKILL-like: no cleanup runs
+
+
+def _store_and_die(spec, node, keys):
+    r = cxlrt.open(spec, node=node)
+    c = _DiesMidCopy(r, "kv", block_bytes=BB, capacity_blocks=4)
+    c.store(keys, [block_for(k) for k in keys])
+
+
+def test_entries_of_a_writer_that_died_are_reclaimed(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=4)
+    keys = c.block_hashes(chain(0, 4))
+    p = _CTX.Process(target=_store_and_die, args=(backend.spec(), 0, keys))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 9
+    assert [e["state"] for e in c.entries()] == ["writing"] * 4
+    with c.lookup(keys) as hit:
+        assert len(hit) == 0  # never published: never served
+    assert c.store(keys, [block_for(k) for k in keys]) == []  # present (being written)
+    other = c.block_hashes(chain(1, 2))
+    assert c.store(other, [block_for(k) for k in other]) == other  # dead writer's slots freed
+    assert c.stats()["occupancy"] <= 4
+    r.close()
+
+
+def _corrupt(r, c, key, *, off=None, length=None, raw=None):
+    e = next(e for e in c.entries() if e["key"] == key)
+    at = c.slot_offset(e["slot"])
+    if raw is None:
+        raw = forge_entry(key, 2, e["generation"], e["offset"] if off is None else off,
+                          e["length"] if length is None else length)
+    r.store(at, raw)
+    r.persist(at, 64)
+
+
+@pytest.mark.parametrize("how", ["offset-outside", "offset-misaligned", "length", "torn-line"])
+def test_a_corrupted_entry_raises_never_crashes(backend, how):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 3))
+    c.store(keys, [block_for(k) for k in keys])
+    if how == "offset-outside":
+        _corrupt(r, c, keys[1], off=r.size - 64)
+    elif how == "offset-misaligned":
+        _corrupt(r, c, keys[1], off=c.entries()[0]["offset"] + 8)
+    elif how == "length":
+        _corrupt(r, c, keys[1], length=1 << 40)
+    else:
+        _corrupt(r, c, keys[1], raw=bytes(range(64)))  # the check word cannot match
+    with pytest.raises(cxlrt.RegionError, match="corrupt"):
+        c.lookup(keys)
+    r.close()
+
+
+def test_a_payload_header_that_does_not_match_raises(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 2))
+    c.store(keys, [block_for(k) for k in keys])
+    e = next(e for e in c.entries() if e["key"] == keys[1])
+    with c.lookup(keys) as hit:
+        r.dma_write(e["offset"] + 8, bytes(16))  # another key in the header: a reused payload
+        with pytest.raises(cxlrt.RegionError, match="corrupt"):
+            c.load(hit)
+    r.close()
+
+
+def test_attach_with_another_scheme_says_what_differs(backend):
+    r = backend.create(nodes=2)
+    open_cache(r, salt=b"llama-3-8b/bf16")
+    b = backend.open(1)
+    with pytest.raises(cxlrt.SchemeMismatchError, match="salt") as ei:
+        open_cache(b, salt=b"llama-3-8b/fp8")
+    assert "block_tokens" not in str(ei.value)
+    with pytest.raises(cxlrt.SchemeMismatchError, match=r"block_tokens 16 \(you asked for 32\)"):
+        open_cache(b, salt=b"llama-3-8b/bf16", block_tokens=32)
+    with pytest.raises(cxlrt.SchemeMismatchError, match="algorithm 'blake2b'"):
+        open_cache(b, salt=b"llama-3-8b/bf16", algorithm="sha256")
+    with pytest.raises(cxlrt.SchemeMismatchError, match="block_bytes"):
+        open_cache(b, salt=b"llama-3-8b/bf16", block_bytes=8192)
+    same = open_cache(b, salt=b"llama-3-8b/bf16")
+    assert same.offset == r.get("kv")
+    with pytest.raises(KeyError, match="no KV cache"):
+        cxlrt.KVCache(b, "missing", block_bytes=BB, capacity_blocks=4, create=False)
+    r.close()
+    b.close()
+
+
+def test_bad_input(backend):
+    r = backend.create(nodes=1)
+    for kw in ({"block_bytes": 0}, {"capacity_blocks": -1}, {"block_tokens": 1.5},
+               {"algorithm": "crc32"}):
+        with pytest.raises(ValueError):
+            open_cache(r, **kw)
+    with pytest.raises(ValueError, match="1..48 bytes"):
+        cxlrt.KVCache(r, "x" * 49, block_bytes=BB, capacity_blocks=4)
+    c = open_cache(r)
+    keys = c.block_hashes(chain(0, 2))
+    with pytest.raises(TypeError):
+        c.lookup(keys[0])
+    with pytest.raises(ValueError, match="16-byte"):
+        c.lookup([b"short"])
+    with pytest.raises(ValueError, match="expected 2 buffers"):
+        c.store(keys, [block_for(keys[0])])
+    with pytest.raises(ValueError, match="a block is"):
+        c.store(keys, [b"x", b"y"])
+    with pytest.raises(ValueError, match="need"):
+        c.store(keys, bytes(BB))
+    with pytest.raises(TypeError, match="buffer"):
+        c.store(keys, 17)
+    assert c.stats()["occupancy"] == 0  # nothing half-stored
+    c.store(keys, [block_for(k) for k in keys])
+    hit = c.lookup(keys)
+    with pytest.raises(TypeError, match="read-only"):
+        c.load(hit, bytes(2 * BB))
+    with pytest.raises(ValueError, match="need"):
+        c.load(hit, np.zeros(BB, np.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        c.load(hit, np.zeros((2, 2 * BB), np.uint8)[:, ::2])
+    with pytest.raises(ValueError, match="start"):
+        c.load(hit, start=3)
+    hit.release()
+    hit.release()  # idempotent
+    with pytest.raises(ValueError, match="released"):
+        c.load(hit)
+    r.close()

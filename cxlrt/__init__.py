@@ -5,6 +5,7 @@ Open a region with :func:`cxlrt.open`; see README.md for the memory model.
 
 from cxlrt.api import format, inspect, open
 from cxlrt.caps import Caps
+from cxlrt.channel import Channel, ChannelBusyError
 from cxlrt.errors import (
     ChecksumError,
     CoherenceError,
@@ -28,8 +29,9 @@ from cxlrt.spec import parse_size, parse_spec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "ChecksumError", "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache",
-    "LayoutVersionError", "NodeRangeError", "NotARegionError", "OutOfMemory", "OutOfRangeError",
-    "Region", "RegionClosedError", "RegionError", "RegionSizeError", "SchemeMismatchError",
-    "UnsupportedError", "block_hashes", "format", "inspect", "open", "parse_size", "parse_spec",
+    "Caps", "Channel", "ChannelBusyError", "ChecksumError", "CoherenceError", "CxlrtError", "Hit",
+    "InvalidFreeError", "KVCache", "LayoutVersionError", "NodeRangeError", "NotARegionError",
+    "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
+    "RegionSizeError", "SchemeMismatchError", "UnsupportedError", "block_hashes", "format",
+    "inspect", "open", "parse_size", "parse_spec",
 ]

@@ -34,6 +34,7 @@ cdef enum:
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
     CXLRT_E_KVCORRUPT = -1030  # an entry or payload header that cannot be right
     CXLRT_E_KVPINS = -1031     # this node holds KV_PIN_MAX pins on one slot
+    CXLRT_E_KVPROCS = -1032    # every record of the node-local pin table is taken
 
 
 ctypedef struct kv_entry:

@@ -2,17 +2,25 @@
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
 # blocks. Layout and invariants: kvcache.pxd.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_check_range, cxl_dma_read,
                             cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
                             cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64)
-from cxlrt.includes.intrin cimport cxl_backoff, cxl_wall_ns
+from cxlrt.includes.intrin cimport cxl_backoff, cxl_pid, cxl_wall_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_lockctx, cxl_node_dead
+from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
 
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+cdef extern from "<errno.h>" nogil:
+    int errno
+    int ESRCH
+
+import fcntl
 import hashlib
 import os
 
@@ -23,6 +31,13 @@ cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01"
 cdef uint64_t PMAGIC = 0x31304256_4B4C5843  # "CXLKVB01"
 cdef uint32_t VERSION = 1
 cdef uint64_t STATS_WORDS = 8
+cdef uint64_t PROC_MAGIC = 0x31305050_4B4C5843  # "CXLKPP01"
+cdef uint64_t PROC_HDR = 64
+cdef int PROC_RECORDS = 64                     # processes of one node pinning at once
+
+
+cdef inline bint _pid_dead(uint64_t pid) noexcept nogil:
+    return pid > 0x7fffffff or (kill(<int>pid, 0) != 0 and errno == ESRCH)
 STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
 STAT_NAMES = ("lookups", "hits", "misses", "stores", "skipped", "evictions", "bytes_stored",
@@ -96,6 +111,10 @@ cdef class KVCache:
     cdef uint32_t _node
     cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
     cdef bint _closed
+    cdef Mapping _procs_map              # node-local pin table (see _record)
+    cdef char* _procs
+    cdef uint64_t _rec_stride
+    cdef int _rec, _rec_pid              # our record, and the pid that claimed it
     cdef public bint _ignore_pins        # test hook: a broken evictor the tests must catch
 
     def __init__(self, Region region not None, str name not None, *, block_bytes,
@@ -135,6 +154,8 @@ cdef class KVCache:
         from cxlrt.lock import _ctx_address
         self.L = <cxl_lockctx*><size_t>_ctx_address(region.locks)
         self._attach(name, create)
+        self._map_procs()
+        self.recover()  # a restarted worker heals what its dead predecessor pinned
 
     # --- creation and attach ------------------------------------------------------------
 
@@ -323,27 +344,146 @@ cdef class KVCache:
         return self._pins + (node * self.slots + s) * 8
 
     cdef int _pin_add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
-        """Add `delta` to our node's pin on each slot and publish (pin mutex held)."""
+        """Add `delta` to our node's pin on each slot and publish (pin mutex held).
+
+        Each pin is also counted in this process's record of the node-local pin
+        table, so the node's other processes can give back the pins of one that died.
+        """
         cdef uint64_t i, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
-        cdef int rc = 0
+        cdef uint16_t* mine
+        cdef int rc = self._own_record()
+        if rc != 0:
+            return rc
+        mine = self._record(self._rec)
         for i in range(n):
             at = self._pin_at(self._node, slots[i])
             rc = cxl_load64(self.r, at, &w)
             if rc != 0:
-                return rc
+                break
             cnt = w & KV_PIN_MAX
             if delta > 0:
-                if cnt == KV_PIN_MAX:
-                    return CXLRT_E_KVPINS
+                if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
+                    rc = CXLRT_E_KVPINS
+                    break
                 cnt += 1
-            elif cnt > 0:
-                cnt -= 1
+                mine[slots[i]] += 1
+            else:
+                if cnt > 0:
+                    cnt -= 1
+                if mine[slots[i]] > 0:
+                    mine[slots[i]] -= 1
             rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
             if rc == 0:
                 rc = cxl_flush_nodrain(self.r, at, 8)
             if rc != 0:
-                return rc
+                break
+        if rc != 0 and delta > 0 and i > 0:
+            self._pin_add(slots, i, -1)  # all or nothing: a failed lookup holds no pins
+        if rc != 0:
+            return rc
         return cxl_fence(self.r)
+
+    # --- the node-local pin table ---------------------------------------------------------
+    # One record per process that pins: its pid, then a 16-bit count per slot. It lives
+    # in a host file next to the node-local lock file, so it never crosses hosts.
+
+    cdef inline uint16_t* _record(self, int k) noexcept nogil:
+        return <uint16_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride + 64)
+
+    cdef inline uint64_t* _record_pid(self, int k) noexcept nogil:
+        return <uint64_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride)
+
+    cdef int _own_record(self) noexcept nogil:
+        """Make sure this process has a record (pin mutex held)."""
+        cdef int k, pid = cxl_pid()
+        if self._rec >= 0 and self._rec_pid == pid:
+            return 0
+        for k in range(PROC_RECORDS):
+            if self._record_pid(k)[0] == 0:
+                break
+        else:
+            self._recover_dead()
+            for k in range(PROC_RECORDS):
+                if self._record_pid(k)[0] == 0:
+                    break
+            else:
+                return CXLRT_E_KVPROCS
+        memset(self._record(k), 0, self.slots * 2)
+        self._record_pid(k)[0] = <uint64_t>pid
+        self._rec = k
+        self._rec_pid = pid
+        return 0
+
+    cdef int _recover_dead(self) noexcept nogil:
+        """Give back the pins of this node's dead processes (pin mutex held).
+
+        Returns the number of pins released, or a negative status.
+        """
+        cdef int k, rc
+        cdef uint64_t pid, s, w, at, cnt, freed = 0
+        cdef uint16_t* c
+        for k in range(PROC_RECORDS):
+            pid = self._record_pid(k)[0]
+            if pid == 0 or pid == <uint64_t>cxl_pid() or not _pid_dead(pid):
+                continue
+            c = self._record(k)
+            for s in range(self.slots):
+                if c[s] == 0:
+                    continue
+                at = self._pin_at(self._node, s)
+                rc = cxl_load64(self.r, at, &w)
+                if rc != 0:
+                    return rc
+                cnt = w & KV_PIN_MAX
+                cnt = cnt - c[s] if cnt > c[s] else 0
+                freed += c[s]
+                c[s] = 0
+                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
+                if rc == 0:
+                    rc = cxl_flush_nodrain(self.r, at, 8)
+                if rc != 0:
+                    return rc
+            self._record_pid(k)[0] = 0
+        rc = cxl_fence(self.r)
+        return rc if rc != 0 else <int>min(freed, 1 << 30)
+
+    def recover(self):
+        """Give back pins held by this node's dead processes; returns how many.
+
+        Runs when a process attaches and when eviction finds nothing to evict; a
+        node's pins are only ever written by the node itself, so each node heals
+        its own.
+        """
+        self._need_open()
+        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
+        if rc != 0:
+            self._raise(rc, "recover")
+        rc = self._recover_dead()
+        cxl_local_exit(self.L, self._pin_lock)
+        if rc < 0:
+            self._raise(rc, "recover")
+        return rc
+
+    def _map_procs(self):
+        from cxlrt.nodelocal import local_dir
+        self._rec_stride = 64 + (self.slots * 2 + 63) // 64 * 64
+        size = PROC_HDR + PROC_RECORDS * self._rec_stride
+        path = os.path.join(local_dir(), f"cxlrt-{self.region.uuid:016x}-node{self._node}"
+                                         f"-kv{self.offset:x}.pins")
+        head = PROC_MAGIC.to_bytes(8, "little") + self.offset.to_bytes(8, "little") + \
+            self.slots.to_bytes(8, "little")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
+            if os.fstat(fd).st_size != size or os.pread(fd, 24, 0) != head:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)  # zero: no process holds pins
+                os.pwrite(fd, head, 0)
+        finally:
+            os.close(fd)
+        self._procs_map = Mapping(path, size)
+        self._procs = self._procs_map.base
+        self._rec = -1
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..STATS_WORDS) to our node's stats line (pin mutex held)."""
@@ -374,6 +514,9 @@ cdef class KVCache:
             raise RegionError(
                 f"KV cache {self.name!r}: {what}: slot {self._bad_slot} holds an entry or "
                 "payload that cannot be right (corrupt region; run `cxlrt check`)")
+        if rc == CXLRT_E_KVPROCS:
+            raise RuntimeError(f"KV cache {self.name!r}: {what}: {PROC_RECORDS} live processes "
+                               "of this node already hold pins")
         if rc == CXLRT_E_KVPINS:
             raise RuntimeError(f"KV cache {self.name!r}: {what}: this node holds {KV_PIN_MAX} "
                                "pins on one block; release hits")
@@ -803,6 +946,8 @@ cdef class KVCache:
                 freed += 1
         if freed:
             self._sweep_tombstones()
+        elif self.recover():
+            return self._evict(want)  # our node's dead processes held the pins
         return freed
 
     def _writer_dead(self, uint64_t node, uint64_t pid):

@@ -2,6 +2,7 @@
 """The node-local file: robust mutexes and caches shared by one node's processes."""
 
 import fcntl
+import glob
 import os
 import struct
 import tempfile
@@ -99,5 +100,10 @@ def remove_files(unsigned long long uuid, int nodes):
         for suffix in ("", ".init"):
             try:
                 os.unlink(local_path(uuid, n) + suffix)
+            except FileNotFoundError:
+                pass
+        for path in glob.glob(os.path.join(local_dir(), f"cxlrt-{uuid:016x}-node{n}-kv*.pins")):
+            try:
+                os.unlink(path)
             except FileNotFoundError:
                 pass

@@ -463,3 +463,43 @@ def test_bad_input(backend):
     with pytest.raises(ValueError, match="released"):
         c.load(hit)
     r.close()
+
+
+def _pin_and_die(spec, node, keys):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=8)
+    hit = c.lookup(keys)
+    assert len(hit) == len(keys)
+    os._exit(0)  # dies holding the pins: no release, no __dealloc__
+
+
+def test_pins_of_a_dead_process_are_given_back_by_its_node(backend):
+    r = backend.create(nodes=2)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 1, keys))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    more = c.block_hashes(chain(1, 2))
+    assert c.store(more, [block_for(k) for k in more]) == []  # node 1's pins hold them all
+    b = backend.open(1)
+    cb = open_cache(b, capacity_blocks=8)  # node 1 attaches again: it heals its own pins
+    assert cb.recover() == 0  # ... already done when it attached
+    assert c.store(more, [block_for(k) for k in more]) == more
+    b.close()
+    r.close()
+
+
+def test_eviction_recovers_pins_of_its_own_nodes_dead_process(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 0, keys))
+    p.start()
+    p.join(60)
+    more = c.block_hashes(chain(1, 2))
+    assert c.store(more, [block_for(k) for k in more]) == more  # found nothing, healed, evicted
+    r.close()

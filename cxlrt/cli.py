@@ -117,13 +117,46 @@ def cmd_lockmgr(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from cxlrt import demo
-    quiet = args.json
-    report = demo.run(nodes=args.nodes, iters=args.iters, seed=args.seed, evict=args.evict,
-                      path=args.path, keep=args.keep, show=not quiet,
-                      out=(lambda *a: None) if quiet else print)
+    given = {k: v for k, v in vars(args).items() if k in DEMO_OPTIONS and v is not None}
+    cfg = demo.DemoConfig.quick(**given) if args.quick else demo.DemoConfig(**given)
+    report = demo.run(cfg, show=not args.json,
+                      out=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
+
+
+DEMO_OPTIONS = ("prefill", "decode", "conversations", "turns", "system_tokens", "user_tokens",
+                "new_tokens", "block_tokens", "cache_blocks", "seed", "spec")
+
+DEMO_HELP = """\
+Serves a multi-turn chat workload (C conversations x T turns, all sharing one
+system prompt; each turn's prompt holds the whole conversation so far) through
+a tiny transformer with fixed random weights, with P prefill and D decode worker
+processes, three ways in one run:
+  (a) no cache  P+D colocated workers recompute every prompt; no KV transfer
+  (b) TCP       prefill computes the whole prompt's KV and sends it to decode
+                over a loopback TCP socket, as a NIC-based transfer does
+  (c) cxlrt     prefill looks the prompt's blocks up in a KV cache in the
+                shared region, computes and stores only the missing blocks, and
+                tells decode over a cxlrt channel which keys are ready; decode
+                loads every block through cxlrt
+Each worker is a separate process attached as its own node of an emulated rack
+(emu: on /dev/shm, removed afterwards) unless --spec names another region.
+
+Reports per turn and overall, per mode: prefix hit rate, KV bytes moved, time to
+first token (issue -> first token at decode; mean and p99), the TTFT ratios of
+(c) to (a) and (b), and whether every generated token equals a monolithic run
+of the same model (whole prompt in one prefill, then greedy decode). Exit status
+0 when all modes match it, 1 when one does not, 2 on bad input.
+"""
+
+
+def _at_least_1(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,18 +213,40 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--node", type=int, default=0, help="node id to attach as (default 0)")
     m.set_defaults(func=cmd_lockmgr)
 
-    d = sub.add_parser("demo", help="run the emulated-rack demo (the main job)",
-                       description="Format an emulated rack, run nodes as separate processes "
-                                   "incrementing a shared counter with and without flushes, "
-                                   "and show the checker catching the broken protocol.")
-    d.add_argument("--nodes", type=int, default=4, help="nodes (processes), default 4")
-    d.add_argument("--iters", type=int, default=20000, help="increments per node, default 20000")
-    d.add_argument("--seed", type=int, default=7, help="fault-injection seed, default 7")
-    d.add_argument("--evict", type=float, default=0.02,
-                   help="spontaneous write-back probability per access, default 0.02")
-    d.add_argument("--path", help="region file (default: a fresh folder in /dev/shm)")
-    d.add_argument("--keep", action="store_true", help="keep the region file afterwards")
-    d.add_argument("--json", action="store_true", help="print the report as JSON only")
+    from cxlrt.demo import DemoConfig
+    dflt, quick = DemoConfig(), DemoConfig.quick()
+    d = sub.add_parser("demo", help="serve LLM requests three ways on an emulated CXL rack "
+                                    "(the main job)",
+                       description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def opt(name: str, what: str, short: str | None = None) -> None:
+        key = name.replace("-", "_")
+        a, b = getattr(dflt, key), getattr(quick, key)
+        names = [f"--{name}"] + ([short] if short else [])
+        d.add_argument(*names, type=_at_least_1, metavar="N",
+                       help=f"{what} (default {a}" + (f"; --quick: {b})" if a != b else ")"))
+
+    opt("prefill", "prefill worker processes, P", "-P")
+    opt("decode", "decode worker processes, D", "-D")
+    opt("conversations", "conversations served at once, C", "-C")
+    opt("turns", "turns per conversation, T", "-T")
+    opt("system-tokens", "tokens of the shared system prompt")
+    opt("user-tokens", "new user tokens per turn")
+    opt("new-tokens", "tokens generated per turn")
+    opt("block-tokens", "tokens per KV block (one cache key)")
+    d.add_argument("--cache-blocks", type=_at_least_1, metavar="N",
+                   help="cache capacity in blocks (default: room for the whole workload); "
+                        "smaller makes it evict, and decode recomputes what it misses")
+    d.add_argument("--seed", type=int, metavar="N",
+                   help=f"seed of the weights, the tokens and the emulation (default {dflt.seed})")
+    d.add_argument("--spec", metavar="SPEC",
+                   help="run cxlrt mode on this region instead of a fresh emu: file in /dev/shm, "
+                        "e.g. file:/dev/shm/rack0, numa:auto/rack0, dax:/dev/dax0.0; it is "
+                        "formatted (its contents are lost)")
+    d.add_argument("--quick", action="store_true",
+                   help="a small workload that runs in seconds (for tests and a first look)")
+    d.add_argument("--json", action="store_true",
+                   help="print a machine-readable report instead of the table")
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -202,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command == "demo" and (args.nodes < 1 or args.iters < 1):
-        parser.error("--nodes and --iters must be at least 1")
     try:
         return args.func(args)
     except (ValueError, TypeError, OSError) as e:

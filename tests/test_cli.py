@@ -59,12 +59,38 @@ def test_info_on_corrupt_region_exits_1(region_dir):
     assert "not a cxlrt region" in p.stderr
 
 
-def test_demo_shows_the_checker_catching_a_missing_flush(region_dir):
-    p = cxlrt("demo", "--nodes", "3", "--iters", "500", "--path", f"{region_dir}/rack",
-              "--json")
-    report = json.loads(p.stdout)
+def test_demo_quick_json_reports_every_mode_equal_to_the_monolithic_run():
+    pytest.importorskip("torch", reason="the demo's model needs torch")
+    p = cxlrt("demo", "--quick", "--json", "--conversations", "2", "--turns", "2")
+    report = json.loads(p.stdout)  # --json: nothing but the report on stdout
     assert report["ok"] is True
-    assert report["correct"]["final"] == report["correct"]["expected"] == 1500
-    assert report["correct"]["injected_writebacks"] > 0
-    assert report["broken"]["violations"] or report["broken"]["lost"] > 0
-    assert not os.path.exists(f"{region_dir}/rack")  # cleaned up unless --keep
+    assert (report["config"]["conversations"], report["config"]["turns"]) == (2, 2)
+    assert report["config"]["system_tokens"] == 128  # --quick's, not the default's
+    for mode in ("nocache", "tcp", "cxlrt"):
+        m = report["modes"][mode]
+        assert m["tokens_equal"] is True and len(m["turns"]) == 2
+        assert m["overall"]["ttft_mean_s"] > 0
+    assert report["modes"]["cxlrt"]["turns"][1]["prefix_hit_rate"] > 0
+    assert report["ratios"]["cxlrt/tcp"]["ttft_mean"] > 0
+    path = report["region"]["spec"][4:].split("?")[0]
+    assert not os.path.exists(path)  # the emulated rack is removed afterwards
+
+
+def test_demo_table_names_modes_and_verdict():
+    pytest.importorskip("torch", reason="the demo's model needs torch")
+    out = cxlrt("demo", "--quick", "--turns", "2").stdout
+    for text in ("(a) no cache", "(b) TCP", "(c) cxlrt", "TTFT mean", "(c)/(a)", "(c)/(b)",
+                 "tokens equal to the monolithic run: (a) no cache yes, (b) TCP yes, "
+                 "(c) cxlrt yes"):
+        assert text in out
+
+
+@pytest.mark.parametrize("args,msg", [(["--prefill", "0"], "--prefill"),
+                                      (["-D", "-2"], "--decode"),
+                                      (["--turns", "x"], "--turns"),
+                                      (["--prefill", "40", "--decode", "40"], "at most 64")])
+def test_demo_bad_options_are_one_line_errors(args, msg):
+    p = cxlrt("demo", "--quick", *args, check=False)
+    assert p.returncode == 2
+    assert msg in p.stderr
+    assert "Traceback" not in p.stderr

@@ -1,0 +1,176 @@
+"""The demo's numbers: per turn and overall, per mode, and the table that shows them.
+
+Definitions (the same in the table and in ``--json``):
+
+prefix hit rate
+    Of the prompt's full KV blocks, the share the prefill side found in the
+    cache (cxlrt mode only; the other modes have no cache: ``None``).
+KV bytes moved
+    Bytes of KV that crossed the data plane: sent over TCP (b), or written to
+    and read from the cxlrt region (c: stores, the prefill side's loads of the
+    hit prefix, and the decode side's loads of every block). (a) moves none.
+TTFT
+    Request issue at the scheduler to the first token at the decode (or
+    colocated) worker, seconds; mean and 99th percentile (linear interpolation).
+prefill_s_mean
+    Seconds a prefill worker spent on a request (taking it from the queue to
+    handing it off), mean; ``None`` in (a), which has no prefill workers.
+to_first_token_s_mean
+    Seconds from a hand-off's arrival at the decode worker (in (a): the
+    request's) to its first token, mean: KV loads or receives, recomputed
+    blocks, the prompt's tail. TTFT less these two is time spent waiting.
+tokens equal
+    Every generated token equals the monolithic run's (whole prompt in one
+    prefill, then greedy decode) for the same conversation and turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from cxlrt.serving.scheduler import ModeRun, RequestResult
+
+LABELS = {"nocache": "(a) no cache", "tcp": "(b) TCP", "cxlrt": "(c) cxlrt"}
+_MOVED = {"nocache": (), "tcp": ("sent_bytes",),
+          "cxlrt": ("stored_bytes", "prefill_loaded_bytes", "decode_loaded_bytes")}
+
+
+def _sum(rs: Iterable[RequestResult], key: str) -> float:
+    return sum(r.info.get(key, 0) for r in rs)
+
+
+def _stats(mode: str, rs: list[RequestResult], ref: list[list[list[int]]]) -> dict[str, Any]:
+    ttft = np.array([r.ttft_s for r in rs])
+    blocks = _sum(rs, "blocks")
+    out: dict[str, Any] = {
+        "requests": len(rs),
+        "prompt_tokens": sum(r.prompt_tokens for r in rs),
+        "prefix_hit_rate": (_sum(rs, "hit_blocks") / blocks if blocks else 0.0)
+        if mode == "cxlrt" else None,
+        "kv_bytes_moved": sum(_sum(rs, k) for k in _MOVED[mode]),
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tokens_equal": all(r.tokens == ref[r.conv][r.turn] for r in rs),
+        "prefill_s_mean": _sum(rs, "prefill_s") / len(rs) if mode != "nocache" else None,
+        "to_first_token_s_mean": _sum(rs, "to_first_token_s") / len(rs),
+    }
+    if mode != "nocache":
+        out["blocks"] = blocks
+        out["computed_blocks"] = _sum(rs, "computed_blocks")
+    if mode == "cxlrt":
+        out["hit_blocks"] = _sum(rs, "hit_blocks")
+        out["kv_bytes"] = {k: _sum(rs, k) for k in _MOVED[mode]}
+        out["decode_recomputed_blocks"] = _sum(rs, "decode_recomputed_blocks")
+    return out
+
+
+def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    return {"ttft_mean": a["ttft_mean_s"] / b["ttft_mean_s"],
+            "ttft_p99": a["ttft_p99_s"] / b["ttft_p99_s"]}
+
+
+def summarize(runs: dict[str, ModeRun], ref: list[list[list[int]]], turns: int) -> dict[str, Any]:
+    """Per mode: ``overall``, ``turns`` (a list, turn 1 first) and the run's facts;
+    plus ``ratios`` of cxlrt to each other mode, overall and per turn."""
+    modes: dict[str, Any] = {}
+    for mode, run in runs.items():
+        modes[mode] = {
+            "label": LABELS[mode],
+            "wall_s": run.wall_s,
+            "overall": _stats(mode, run.requests, ref),
+            "turns": [dict(turn=t + 1, **_stats(mode, [r for r in run.requests if r.turn == t],
+                                                 ref))
+                      for t in range(turns)],
+            "workers": run.workers,
+        }
+        modes[mode]["tokens_equal"] = modes[mode]["overall"]["tokens_equal"]
+    ratios: dict[str, Any] = {}
+    if "cxlrt" in modes:
+        c = modes["cxlrt"]
+        for other in ("nocache", "tcp"):
+            if other in modes:
+                o = modes[other]
+                ratios[f"cxlrt/{other}"] = dict(
+                    _ratios(c["overall"], o["overall"]),
+                    turns=[_ratios(ct, ot) for ct, ot in zip(c["turns"], o["turns"],
+                                                             strict=True)])
+    return {"modes": modes, "ratios": ratios}
+
+
+# --- the table ---------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
+
+
+def table(summary: dict[str, Any]) -> list[str]:
+    """The report as lines: one row per (turn, mode), then the overall rows."""
+    modes, ratios = summary["modes"], summary["ratios"]
+    head = (f"{'turn':>4}  {'mode':<13}{'prefix hit':>10}  {'KV moved':>10}  "
+            f"{'TTFT mean':>9}  {'TTFT p99':>9}  {'(c)/(a)':>7}  {'(c)/(b)':>7}  tokens")
+    lines = [head, "-" * len(head)]
+    n_turns = len(next(iter(modes.values()))["turns"])
+
+    def row(label: str, mode: str, s: dict[str, Any], t: int | None) -> str:
+        hit = "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.0%}"
+        cells = []
+        for other in ("nocache", "tcp"):
+            r = ratios.get(f"cxlrt/{other}") if mode == "cxlrt" else None
+            cells.append("" if r is None else
+                         f"{(r if t is None else r['turns'][t])['ttft_mean']:.2f}x")
+        return (f"{label:>4}  {LABELS[mode]:<13}{hit:>10}  {human_bytes(s['kv_bytes_moved']):>10}  "
+                f"{_ms(s['ttft_mean_s']):>9}  {_ms(s['ttft_p99_s']):>9}  {cells[0]:>7}  "
+                f"{cells[1]:>7}  {'equal' if s['tokens_equal'] else 'DIFFER'}")
+
+    for t in range(n_turns):
+        for mode, m in modes.items():
+            lines.append(row(str(t + 1), mode, m["turns"][t], t))
+    lines.append("-" * len(head))
+    for mode, m in modes.items():
+        lines.append(row("all", mode, m["overall"], None))
+    return lines
+
+
+def notes(summary: dict[str, Any], prefill_workers: int) -> list[str]:
+    """The lines under the table: overall ratios, where TTFT goes, what each mode moved."""
+    modes, lines = summary["modes"], []
+    for key, r in summary["ratios"].items():
+        other = LABELS[key.split("/")[1]]
+        lines.append(f"cxlrt TTFT vs {other}: mean {r['ttft_mean']:.2f}x, "
+                     f"p99 {r['ttft_p99']:.2f}x")
+    lines.append("mean TTFT = prefill work + decode work to the first token + waiting "
+                 "(queues, hand-off):")
+    for mode, m in modes.items():
+        o = m["overall"]
+        pre = o["prefill_s_mean"]
+        wait = o["ttft_mean_s"] - (pre or 0.0) - o["to_first_token_s_mean"]
+        lines.append(f"  {LABELS[mode]:<13}{_ms(o['ttft_mean_s']):>9} = "
+                     f"{'-' if pre is None else _ms(pre):>7} + "
+                     f"{_ms(o['to_first_token_s_mean']):>7} + {_ms(wait):>7}")
+    if "tcp" in modes:
+        t = modes["tcp"]["overall"]
+        lines.append(f"(b) TCP: {prefill_workers} prefill worker(s) computed all "
+                     f"{t['computed_blocks']} prompt blocks and sent "
+                     f"{human_bytes(t['kv_bytes_moved'])} over loopback TCP")
+    if "cxlrt" in modes:
+        c = modes["cxlrt"]["overall"]
+        moved = ", ".join(f"{human_bytes(v)} {k.replace('_bytes', '').replace('_', ' ')}"
+                          for k, v in c["kv_bytes"].items())
+        lines.append(f"(c) cxlrt: {c['hit_blocks']} of {c['blocks']} prompt blocks came from "
+                     f"the cache, {c['computed_blocks']} were computed; {moved}; "
+                     f"{c['decode_recomputed_blocks']} blocks recomputed at decode (evicted)")
+    return lines
+

@@ -1,0 +1,346 @@
+"""The demo's worker processes: what runs inside each prefill, decode or colocated worker.
+
+Roles by mode:
+
+- ``nocache`` (a): P + D colocated workers; each serves whole requests,
+  prefilling the entire prompt (no cache, no transfer).
+- ``tcp`` (b): prefill workers compute the KV of every full block of the
+  prompt and send it to a decode worker over a loopback TCP socket.
+- ``cxlrt`` (c): prefill workers look the prompt's blocks up in the shared
+  :class:`cxlrt.KVCache`, load the hit prefix, compute only the missing blocks,
+  store them, and send "request R: these keys are ready" over a
+  :class:`cxlrt.Channel`; decode workers load every block from the cache
+  (recomputing any that was evicted meanwhile, and counting it).
+
+The prompt's last, partial block (at least one token) is always left to the
+decode side: computing it yields the first token, so time to first token is
+measured where the tokens are generated. Every decode and colocated worker runs
+the same small engine (:func:`_serve`): it admits each arriving request at once
+(prefill priority, as serving engines do) and interleaves one-token decode
+steps of the requests it holds.
+
+Workers are forked; each builds the model from the seed (same weights in every
+process), uses one torch thread, opens the region as its own node, and reports
+to the scheduler through one ``results`` queue (the control plane): ``ready``,
+``prefill`` (per-request prefill facts), ``done`` (tokens and the time of the
+first one), ``stats`` at exit, or ``error`` with a traceback.
+"""
+
+from __future__ import annotations
+
+import queue
+import selectors
+import socket
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cxlrt.serving import handoff
+from cxlrt.serving.config import ModelConfig, Plan
+from cxlrt.serving.model import TinyLM
+
+POLL_MAX_S = 0.0005  # longest sleep of an idle decode worker polling its channels
+
+
+@dataclass
+class Request:
+    """One turn of one conversation, as the scheduler hands it out."""
+
+    rid: int
+    conv: int
+    turn: int
+    tokens: list[int]
+    n_new: int
+    target: int  # decode (or colocated) worker that generates the answer
+
+
+@dataclass
+class _Job:
+    """A request arrived at a decode-side worker, with ``kv[:ready]`` filled."""
+
+    rid: int
+    tokens: np.ndarray
+    n_new: int
+    kv: torch.Tensor
+    ready: int
+    t_arrive: float  # when the hand-off (or the request) reached this worker
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Active:
+    """A request being decoded."""
+
+    rid: int
+    kv: torch.Tensor
+    pos: int
+    n_new: int
+    t_first: float
+    info: dict[str, Any]
+    out: list[int]
+
+
+def entry(fn: Callable[..., None], who: str, results: Any, *args: Any) -> None:
+    """Process target: one torch thread, and any failure reported with its traceback."""
+    torch.set_num_threads(1)
+    try:
+        fn(who, results, *args)
+    except BaseException:
+        results.put(("error", who, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, shared (what sockets send and fill)."""
+    return t.numpy().reshape(-1).view(np.uint8).data
+
+
+def _attach(plan: Plan, node: int) -> tuple[Any, Any]:
+    """Open the region as ``node`` and attach to the demo's cache (made by the scheduler)."""
+    import cxlrt
+    region = cxlrt.open(plan.spec, node=node)
+    cache = cxlrt.KVCache(region, plan.cache_name, block_bytes=plan.block_bytes,
+                          capacity_blocks=plan.cache_blocks, block_tokens=plan.block_tokens,
+                          create=False)
+    return region, cache
+
+
+def _channel(region: Any, plan: Plan, p: int, d: int) -> Any:
+    import cxlrt
+    return cxlrt.Channel(region, plan.channel_name(p, d), slots=plan.channel_slots,
+                         msg_bytes=plan.msg_bytes, create=False)
+
+
+def _model(plan: Plan) -> TinyLM:
+    model = TinyLM(plan.model)
+    kv = model.new_kv(2 * plan.block_tokens)  # warm up torch's kernels off the clock
+    model.decode(model.prefill(list(range(plan.block_tokens)), kv), kv, plan.block_tokens, 2)
+    return model
+
+
+# --- decode side ------------------------------------------------------------------
+
+
+def _serve(model: TinyLM, poll: Callable[[bool], _Job | None], finished: Callable[[], bool],
+           results: Any) -> None:
+    """The decode engine: admit arrivals first, then one decode step per request in turn."""
+    active: deque[_Active] = deque()
+    while active or not finished():
+        job = poll(not active)
+        if job is not None:
+            n = len(job.tokens)
+            logits = model.prefill(job.tokens[job.ready:], job.kv, job.ready)
+            out = [int(torch.argmax(logits))]
+            t_first = time.monotonic()
+            job.info["to_first_token_s"] = t_first - job.t_arrive
+            r = _Active(job.rid, job.kv, n, job.n_new, t_first, job.info, out)
+            if r.n_new > 1:
+                active.append(r)
+            else:
+                results.put(("done", r.rid, r.t_first, r.out, r.info))
+            continue
+        if not active:
+            continue
+        r = active.popleft()
+        r.out.append(int(torch.argmax(model.prefill(r.out[-1:], r.kv, r.pos))))
+        r.pos += 1
+        if len(r.out) < r.n_new:
+            active.append(r)
+        else:
+            results.put(("done", r.rid, r.t_first, r.out, r.info))
+
+
+def colocated(who: str, results: Any, plan: Plan, requests: Any) -> None:
+    """(a) no cache: whole requests from ``requests``; the entire prompt is prefilled."""
+    model = _model(plan)
+    done = False
+
+    def poll(block: bool) -> _Job | None:
+        nonlocal done
+        try:
+            req = requests.get() if block else requests.get_nowait()
+        except queue.Empty:
+            return None
+        if req is None:
+            done = True
+            return None
+        kv = model.new_kv(len(req.tokens) + req.n_new)
+        return _Job(req.rid, np.asarray(req.tokens, np.int32), req.n_new, kv, 0,
+                    time.monotonic())
+
+    results.put(("ready", who))
+    _serve(model, poll, lambda: done, results)
+    results.put(("stats", who, {}))
+
+
+def decode_tcp(who: str, results: Any, plan: Plan, server: socket.socket) -> None:
+    """(b) decode: accept one connection per prefill worker; KV arrives with the request."""
+    model = _model(plan)
+    sel = selectors.DefaultSelector()
+    for _ in range(plan.prefill):
+        conn, _addr = server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sel.register(conn, selectors.EVENT_READ)
+    server.close()
+    received = 0
+
+    def poll(block: bool) -> _Job | None:
+        nonlocal received
+        for key, _ in sel.select(None if block else 0):
+            conn = key.fileobj
+            t_arrive = time.monotonic()
+            h, nbytes = handoff.recv_tcp_header(conn)  # type: ignore[arg-type]
+            if h.is_stop:
+                sel.unregister(conn)
+                conn.close()  # type: ignore[union-attr]
+                continue
+            ready = h.n_blocks * plan.block_tokens
+            if nbytes != ready * plan.model.kv_bytes_per_token:
+                raise ValueError(f"request {h.rid}: {nbytes} KV bytes for {h.n_blocks} blocks")
+            kv = model.new_kv(len(h.tokens) + h.n_new)
+            handoff.recv_into(conn, _bytes(kv[:ready]))  # type: ignore[arg-type]
+            received += nbytes
+            return _Job(h.rid, h.tokens, h.n_new, kv, ready, t_arrive, {"received_bytes": nbytes})
+        return None
+
+    results.put(("ready", who))
+    _serve(model, poll, lambda: not sel.get_map(), results)
+    results.put(("stats", who, {"received_bytes": received}))
+
+
+def decode_cxlrt(who: str, results: Any, plan: Plan, d: int) -> None:
+    """(c) decode: keys arrive over cxlrt Channels; every block is loaded from the cache."""
+    model = _model(plan)
+    region, cache = _attach(plan, plan.decode_node(d))
+    channels = [_channel(region, plan, p, d) for p in range(plan.prefill)]
+    live = list(channels)
+    bt = plan.block_tokens
+
+    def job(h: handoff.Handoff, t_arrive: float) -> _Job:
+        ready = h.n_blocks * bt
+        kv = model.new_kv(len(h.tokens) + h.n_new)
+        with cache.lookup(h.keys) as hit:
+            n_hit = len(hit)
+            if n_hit:
+                cache.load(hit, kv[:n_hit * bt])
+        if n_hit < h.n_blocks:  # evicted (or never stored: no room): recompute, and say so
+            model.prefill(h.tokens[n_hit * bt:ready], kv, n_hit * bt)
+        return _Job(h.rid, h.tokens, h.n_new, kv, ready, t_arrive,
+                    {"decode_loaded_bytes": n_hit * plan.block_bytes,
+                     "decode_recomputed_blocks": h.n_blocks - n_hit})
+
+    def poll(block: bool) -> _Job | None:
+        nap = 0.00002
+        while live:
+            for ch in list(live):
+                msg = ch.try_recv()
+                if msg is None:
+                    continue
+                t_arrive = time.monotonic()
+                h = handoff.decode(msg)
+                if h.is_stop:
+                    live.remove(ch)
+                    continue
+                return job(h, t_arrive)
+            if not block:
+                return None
+            time.sleep(nap)
+            nap = min(2 * nap, POLL_MAX_S)
+        return None
+
+    results.put(("ready", who))
+    _serve(model, poll, lambda: not live, results)
+    for ch in channels:
+        ch.close()
+    cache.close()
+    region.close()
+    results.put(("stats", who, {}))
+
+
+# --- prefill side -----------------------------------------------------------------
+
+
+def prefill_tcp(who: str, results: Any, plan: Plan, requests: Any, ports: list[int]) -> None:
+    """(b) prefill: compute the KV of every full block and send it to the decode worker."""
+    model = _model(plan)
+    socks = []
+    for port in ports:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(s)
+    results.put(("ready", who))
+    sent = 0
+    while (req := requests.get()) is not None:
+        t0 = time.monotonic()
+        n_blocks = plan.full_blocks(len(req.tokens))
+        ready = n_blocks * plan.block_tokens
+        kv = model.new_kv(ready)
+        if ready:
+            model.prefill(req.tokens[:ready], kv, 0)
+        h = handoff.Handoff(req.rid, np.asarray(req.tokens, np.int32), req.n_new, n_blocks, [])
+        nbytes = handoff.send_tcp(socks[req.target], h, _bytes(kv))
+        sent += nbytes
+        results.put(("prefill", req.rid, {"blocks": n_blocks, "computed_blocks": n_blocks,
+                                          "sent_bytes": nbytes,
+                                          "prefill_s": time.monotonic() - t0}))
+    for s in socks:
+        handoff.send_tcp(s, handoff.stop(), None)
+        s.close()
+    results.put(("stats", who, {"sent_bytes": sent}))
+
+
+def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> None:
+    """(c) prefill: look up, load the hit prefix, compute and store the rest, hand off keys."""
+    model = _model(plan)
+    region, cache = _attach(plan, plan.prefill_node(p))
+    channels = [_channel(region, plan, p, d) for d in range(plan.decode)]
+    bt, bb = plan.block_tokens, plan.block_bytes
+    results.put(("ready", who))
+    while (req := requests.get()) is not None:
+        t0 = time.monotonic()
+        n_blocks = plan.full_blocks(len(req.tokens))
+        ready = n_blocks * bt
+        keys = cache.block_hashes(req.tokens[:ready]) if ready else []
+        kv = model.new_kv(ready)
+        with cache.lookup(keys) as hit:
+            n_hit = len(hit)
+            if n_hit:
+                cache.load(hit, kv[:n_hit * bt])
+        if n_hit < n_blocks:
+            model.prefill(req.tokens[n_hit * bt:ready], kv, n_hit * bt)
+        stored = cache.store(keys[n_hit:], kv[n_hit * bt:]) if n_hit < n_blocks else []
+        h = handoff.Handoff(req.rid, np.asarray(req.tokens, np.int32), req.n_new, n_blocks, keys)
+        channels[req.target].send(handoff.encode(h))
+        results.put(("prefill", req.rid, {
+            "blocks": n_blocks, "hit_blocks": n_hit, "computed_blocks": n_blocks - n_hit,
+            "stored_blocks": len(stored), "prefill_loaded_bytes": n_hit * bb,
+            "stored_bytes": len(stored) * bb, "prefill_s": time.monotonic() - t0}))
+    for ch in channels:
+        ch.send(handoff.encode(handoff.stop()))
+    for ch in channels:
+        ch.close()
+    cache.close()
+    region.close()
+    results.put(("stats", who, {}))
+
+
+# --- the monolithic reference -----------------------------------------------------
+
+
+def reference(who: str, results: Any, model_cfg: ModelConfig, workload: Any,
+              convs: list[int]) -> None:
+    """Serve ``convs`` the monolithic way (whole prompt in one prefill, then decode)."""
+    model = TinyLM(model_cfg)
+    for c in convs:
+        answers: list[list[int]] = []
+        for t in range(workload.cfg.turns):
+            out = model.generate(workload.prompt(c, t, answers), workload.cfg.new_tokens)
+            answers.append(out)
+            results.put(("ref", c, t, out))
+    results.put(("stats", who, {}))

@@ -1,0 +1,237 @@
+"""The serving demo: the model's chunked prefill, and the three modes against the monolithic run.
+
+The demo runs in this process (its workers are forked from it) with the quick
+preset, once per configuration; `tests/test_cli.py` runs it through the command.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the demo's model needs torch (pip install "
+                                            "'cxlrt[torch]')")
+
+from cxlrt import demo  # noqa: E402
+from cxlrt.serving import handoff, scheduler  # noqa: E402
+from cxlrt.serving.model import ModelConfig, TinyLM  # noqa: E402
+from cxlrt.serving.workload import WorkloadConfig, make_workload  # noqa: E402
+
+STAT_FIELDS = {"requests", "prompt_tokens", "prefix_hit_rate", "kv_bytes_moved", "ttft_mean_s",
+               "ttft_p99_s", "tokens_equal"}
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLM:
+    return TinyLM(ModelConfig(seed=3))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+# --- the model --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cuts", [[0, 300], [0, 16, 160, 299, 300], [0, 1, 2, 150, 300]],
+                         ids=["whole", "blocks+tail", "ragged"])
+def test_chunked_prefill_equals_full_prefill(model, cuts):
+    """Prefill in pieces (past KV + new tokens) = prefill at once: KV, logits, tokens."""
+    tokens = _prompt(300)
+    full = model.new_kv(300 + 12)
+    logits_full = model.prefill(tokens, full, 0)
+    kv = model.new_kv(300 + 12)
+    for a, b in itertools.pairwise(cuts):
+        logits = model.prefill(tokens[a:b], kv, a)
+    torch.testing.assert_close(kv[:300], full[:300], rtol=0, atol=1e-4)
+    torch.testing.assert_close(logits, logits_full, rtol=0, atol=1e-3)
+    assert model.decode(logits, kv, 300, 12) == model.decode(logits_full, full, 300, 12)
+
+
+def test_prefill_depends_on_the_past(model):
+    """A negative control: the same new tokens after a different past give other logits."""
+    tokens, other = _prompt(64, 1), _prompt(64, 2)
+    a, b = model.new_kv(80), model.new_kv(80)
+    model.prefill(tokens[:48], a, 0)
+    model.prefill(other[:48], b, 0)
+    assert not torch.allclose(model.prefill(tokens[48:], a, 48),
+                              model.prefill(tokens[48:], b, 48))
+
+
+def test_kv_blocks_are_contiguous_and_sized(model):
+    """A block of the KV is one contiguous slice of block_bytes: what cxlrt and TCP carry."""
+    cfg = model.cfg
+    kv = model.new_kv(64)
+    model.prefill(_prompt(64), kv, 0)
+    block = kv[16:32]
+    assert block.is_contiguous()
+    assert block.numel() * block.element_size() == cfg.block_bytes(16) == 16 * 4 * 2 * 256 * 4
+    copy = model.new_kv(64)  # blocks copied byte for byte continue the same way
+    copy.view(-1).view(torch.uint8)[:] = kv.view(-1).view(torch.uint8)
+    assert torch.equal(model.prefill([5], copy, 64 - 1), model.prefill([5], kv, 64 - 1))
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = TinyLM(ModelConfig(seed=1)), TinyLM(ModelConfig(seed=1)), TinyLM(ModelConfig(seed=2))
+    assert torch.equal(a.layers[0]["qkv"], b.layers[0]["qkv"])
+    assert not torch.equal(a.layers[0]["qkv"], c.layers[0]["qkv"])
+
+
+@pytest.mark.parametrize("bad,msg", [([], "non-empty"), ([512], r"\[0, 512\)"),
+                                     ([-1], r"\[0, 512\)")])
+def test_prefill_rejects_bad_tokens(model, bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        model.prefill(bad, model.new_kv(4), 0)
+
+
+def test_prefill_rejects_a_kv_buffer_too_small(model):
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        model.prefill([1, 2, 3], model.new_kv(4), 2)
+
+
+# --- the workload and the hand-off -------------------------------------------------
+
+
+def test_workload_prompts_grow_by_history_and_share_the_system_prompt():
+    cfg = WorkloadConfig(conversations=2, turns=3, system_tokens=40, user_tokens=5, new_tokens=3)
+    wl = make_workload(cfg)
+    answers = [[7, 7, 7], [8, 8, 8]]
+    p0, p2 = wl.prompt(0, 0, answers), wl.prompt(0, 2, answers)
+    assert len(p0) == cfg.prompt_tokens(0) == 45 and len(p2) == cfg.prompt_tokens(2) == 61
+    assert p2[:45] == p0 and p2[45:50] == [7, 7, 7] + wl.users[0][1][:2]
+    assert wl.prompt(1, 0, [])[:40] == p0[:40] == wl.system
+    assert wl.prompt(1, 0, [])[40:] != p0[40:]
+    assert make_workload(cfg).users == wl.users  # deterministic
+    with pytest.raises(ValueError, match="answers to 2 earlier turns"):
+        wl.prompt(0, 2, answers[:1])
+
+
+def test_handoff_message_round_trip_and_truncation():
+    import numpy as np
+    h = handoff.Handoff(9, np.arange(40, dtype=np.int32), 5, 2, [b"k" * 16, b"q" * 16])
+    msg = handoff.encode(h)
+    assert len(msg) <= handoff.message_bytes(40, 16)
+    back = handoff.decode(msg)
+    assert (back.rid, back.n_new, back.n_blocks, back.keys) == (9, 5, 2, h.keys)
+    assert back.tokens.tolist() == list(range(40))
+    with pytest.raises(ValueError, match="header says"):
+        handoff.decode(msg[:-1])
+    assert handoff.decode(handoff.encode(handoff.stop())).is_stop
+
+
+# --- the demo ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick():
+    lines: list[str] = []
+    report = demo.run(demo.DemoConfig.quick(), show=False, out=lines.append)
+    return report, lines
+
+
+def test_every_mode_generates_the_monolithic_tokens(quick):
+    report, lines = quick
+    assert report["ok"] is True
+    for mode in ("nocache", "tcp", "cxlrt"):
+        m = report["modes"][mode]
+        assert m["tokens_equal"] is True
+        assert all(t["tokens_equal"] for t in m["turns"])
+    assert any(line.startswith("tokens equal to the monolithic run:") and line.count("yes") == 3
+               for line in lines)
+
+
+def test_cxlrt_mode_hits_the_prefix_cache_after_turn_1(quick):
+    report, _ = quick
+    turns = report["modes"]["cxlrt"]["turns"]
+    assert all(t["prefix_hit_rate"] > 0 for t in turns[1:])
+    # each later turn repeats the whole earlier conversation: it hits more
+    assert turns[-1]["prefix_hit_rate"] > turns[0]["prefix_hit_rate"]
+    c = report["modes"]["cxlrt"]["overall"]
+    assert c["computed_blocks"] == c["blocks"] - c["hit_blocks"] < c["blocks"]
+    for mode in ("nocache", "tcp"):
+        assert report["modes"][mode]["overall"]["prefix_hit_rate"] is None
+
+
+def test_cxlrt_mode_moves_its_kv_through_cxlrt(quick):
+    """Every prompt block reaches decode through the cache; the cache's own counters agree."""
+    report, _ = quick
+    bb = report["model"]["block_bytes"]
+    c = report["modes"]["cxlrt"]["overall"]
+    kv, cache = c["kv_bytes"], report["cache"]
+    assert c["decode_recomputed_blocks"] == 0
+    assert kv["decode_loaded_bytes"] == c["blocks"] * bb
+    assert kv["prefill_loaded_bytes"] == c["hit_blocks"] * bb
+    assert kv["stored_bytes"] == c["computed_blocks"] * bb > 0
+    assert c["kv_bytes_moved"] == sum(kv.values())
+    assert cache["bytes_stored"] == kv["stored_bytes"]
+    assert cache["bytes_loaded"] == kv["prefill_loaded_bytes"] + kv["decode_loaded_bytes"]
+    assert cache["occupancy"] == c["computed_blocks"]
+    tcp = report["modes"]["tcp"]["overall"]
+    assert tcp["kv_bytes_moved"] == tcp["blocks"] * bb == c["blocks"] * bb
+    assert report["modes"]["nocache"]["overall"]["kv_bytes_moved"] == 0
+
+
+def test_report_has_the_documented_fields(quick):
+    report, lines = quick
+    assert {"ok", "config", "model", "region", "reference", "modes", "ratios", "cache",
+            "wall_s"} <= set(report)
+    cfg = demo.DemoConfig.quick()
+    assert len(report["modes"]) == 3
+    for m in report["modes"].values():
+        assert {"label", "wall_s", "tokens_equal", "overall", "turns", "workers"} <= set(m)
+        assert STAT_FIELDS <= set(m["overall"])
+        assert [t["turn"] for t in m["turns"]] == list(range(1, cfg.turns + 1))
+        assert sum(t["requests"] for t in m["turns"]) == cfg.conversations * cfg.turns
+        assert 0 < m["overall"]["ttft_mean_s"] <= m["overall"]["ttft_p99_s"]
+    for key in ("cxlrt/nocache", "cxlrt/tcp"):
+        r = report["ratios"][key]
+        assert r["ttft_mean"] > 0 and r["ttft_p99"] > 0 and len(r["turns"]) == cfg.turns
+    assert report["region"]["spec"].startswith("emu:/")
+    assert report["region"]["nodes"] == cfg.prefill + cfg.decode + 1
+    path = report["region"]["spec"][4:].split("?")[0]
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))  # cleaned up
+    table = "\n".join(lines)
+    assert "(c)/(a)" in table and "(c) cxlrt" in table and "DIFFER" not in table
+
+
+def test_an_evicting_cache_is_recomputed_at_decode_and_still_exact():
+    """A cache too small for one prompt: decode misses blocks, recomputes them, counts them."""
+    report = demo.run(demo.DemoConfig.quick(cache_blocks=3, modes=("cxlrt",), prefill=2),
+                      show=False, out=lambda s: None)
+    c = report["modes"]["cxlrt"]["overall"]
+    assert report["ok"] is True and c["tokens_equal"] is True
+    assert c["decode_recomputed_blocks"] > 0
+    assert report["cache"]["occupancy"] <= 3
+
+
+def test_a_mismatch_is_reported_and_fails(monkeypatch):
+    """If the reference differs (as a wrong KV would make it), the demo says so and fails."""
+    real = scheduler.reference
+
+    def wrong(*args, **kw):
+        ref = real(*args, **kw)
+        ref[1][1][0] = (ref[1][1][0] + 1) % 512
+        return ref
+
+    monkeypatch.setattr(scheduler, "reference", wrong)
+    lines: list[str] = []
+    report = demo.run(demo.DemoConfig.quick(modes=("tcp",)), show=False, out=lines.append)
+    assert report["ok"] is False
+    tcp = report["modes"]["tcp"]
+    assert tcp["tokens_equal"] is False
+    assert [t["tokens_equal"] for t in tcp["turns"]] == [True, False, True]
+    assert any("MISMATCH" in line for line in lines)
+
+
+@pytest.mark.parametrize("kw,msg", [({"prefill": 0}, "prefill must be"),
+                                    ({"decode": -1}, "decode must be"),
+                                    ({"turns": 1.5}, "turns must be"),
+                                    ({"prefill": 40, "decode": 40}, "at most 64"),
+                                    ({"modes": ("udp",)}, "modes must be"),
+                                    ({"cache_blocks": 0}, "cache_blocks")])
+def test_bad_config_is_a_clear_error(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        demo.DemoConfig(**kw)

@@ -2,33 +2,52 @@
 
 On a mappable backend the region is registered with CUDA once (page-locked
 in place, cudaHostRegister), so each block is an asynchronous host-to-device copy
-from the payload itself; elsewhere blocks go through one pinned staging buffer.
+from the payload itself; elsewhere blocks go through a pinned staging buffer made for the call.
 Either way the call waits for its copies: the hit must stay pinned until the
 device has read the payloads.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 
 from cxlrt.caps import Caps
 
-_registered: dict[int, Any] = {}  # id(region) -> the view kept alive while registered
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> base address
+_lock = threading.Lock()
+_PIECE = 128 << 30  # cudaHostRegister takes at most this much in one call on some drivers
 
 
 def _register(region: Any) -> None:
+    """Page-lock the region's mapping for CUDA once per backend (kept until it is freed)."""
     import torch
-    if id(region) in _registered:
-        return
-    view = region.view(0, region.size)
-    ptr = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, region.size, 0)
-    if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister of {region.spec} failed ({rc})")
-    _registered[id(region)] = view
+    backend = region.backend
+    with _lock:
+        if backend in _registered:
+            return
+        view = region.view(0, region.size)
+        arr = np.frombuffer(view, dtype=np.uint8)
+        base = arr.ctypes.data
+        del arr
+        view.release()  # hold no view: Region.close() must stay possible
+        cudart = torch.cuda.cudart()
+        for at in range(0, region.size, _PIECE):
+            rc = cudart.cudaHostRegister(base + at, min(_PIECE, region.size - at), 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {region.spec} failed ({rc})")
+        _registered[backend] = base
+        weakref.finalize(backend, _unregister, base, region.size)
+
+
+def _unregister(base: int, size: int) -> None:
+    import torch
+    for at in range(0, size, _PIECE):
+        torch.cuda.cudart().cudaHostUnregister(base + at)
 
 
 def load_cuda(cache: Any, hit: Any, out: Any, start: int) -> None:

@@ -207,7 +207,7 @@ def rack(cfg: DemoConfig) -> Iterator[Rack]:
         info = cxlrt.format(spec, size=size, nodes=nodes, force=True)
         uuid = int(info["uuid"], 16)
         with cxlrt.open(spec, node=0) as r:
-            cache = cxlrt.KVCache(r, plan.cache_name, block_bytes=plan.block_bytes,
+            cache = cxlrt.KVCache(r, plan.cache_name, block_bytes=plan.block_bytes, salt=plan.salt,
                                   capacity_blocks=plan.cache_blocks,
                                   block_tokens=plan.block_tokens, create=True)
             cache.close()
@@ -230,7 +230,7 @@ def rack(cfg: DemoConfig) -> Iterator[Rack]:
 def _cache_stats(plan: Plan) -> dict[str, Any]:
     import cxlrt
     with cxlrt.open(plan.spec, node=0) as r:
-        cache = cxlrt.KVCache(r, plan.cache_name, block_bytes=plan.block_bytes,
+        cache = cxlrt.KVCache(r, plan.cache_name, block_bytes=plan.block_bytes, salt=plan.salt,
                               capacity_blocks=plan.cache_blocks, block_tokens=plan.block_tokens,
                               create=False)
         try:

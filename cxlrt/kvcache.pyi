@@ -19,8 +19,8 @@ class KVCache:
     block_tokens: int
     algorithm: str
     salt_digest: bytes
-    _ignore_pins: bool
-    def __init__(self, region: Region, name: str, *, block_bytes: int, capacity_blocks: int,
+    def __init__(self, region: Region, name: str, *, block_bytes: int | None = ...,
+                 capacity_blocks: int | None = ...,
                  block_tokens: int = ..., algorithm: str = ..., salt: bytes | str = ...,
                  create: bool = ...) -> None: ...
     def block_hashes(self, tokens: Any, *, parent: bytes | None = ...) -> list[bytes]: ...
@@ -38,7 +38,7 @@ class KVCache:
 
 class Hit:
     cache: KVCache
-    keys: list[bytes]
+    keys: tuple[bytes, ...]
     released: bool
     @property
     def nbytes(self) -> int: ...
@@ -47,5 +47,6 @@ class Hit:
     def __enter__(self) -> Hit: ...
     def __exit__(self, *exc: Any) -> None: ...
 
-def forge_entry(key: bytes, state: int, gen: int, off: int, length: int, owner: int = ...,
+def _break_pin_protocol(cache: KVCache) -> None: ...
+def _forge_entry(key: bytes, state: int, gen: int, off: int, length: int, owner: int = ...,
                 stamp_ns: int = ...) -> bytes: ...

@@ -14,11 +14,6 @@ from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_lockctx, cxl_node_d
 from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
 
-cdef extern from "<signal.h>" nogil:
-    int kill(int pid, int sig)
-cdef extern from "<errno.h>" nogil:
-    int errno
-    int ESRCH
 
 import fcntl
 import hashlib
@@ -36,8 +31,33 @@ cdef uint64_t PROC_HDR = 64
 cdef int PROC_RECORDS = 64                     # processes of one node pinning at once
 
 
-cdef inline bint _pid_dead(uint64_t pid) noexcept nogil:
-    return pid > 0x7fffffff or (kill(<int>pid, 0) != 0 and errno == ESRCH)
+def _process_start(pid):
+    """Start time of a process (clock ticks after boot), or 0 when unknown.
+
+    With the pid it names one process: a container restarted under the same pid
+    has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _process_alive(pid, start):
+    """False only when the process is certainly gone (or its pid was reused)."""
+    if pid > 0x7fffffff:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _process_start(pid)
+    return not (start and now and now != start)
+DIR_PREFIX = "kv/"  # directory names of KV caches
 STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
 STAT_NAMES = ("lookups", "hits", "misses", "stores", "skipped", "evictions", "bytes_stored",
@@ -115,17 +135,18 @@ cdef class KVCache:
     cdef char* _procs
     cdef uint64_t _rec_stride
     cdef int _rec, _rec_pid              # our record, and the pid that claimed it
-    cdef public bint _ignore_pins        # test hook: a broken evictor the tests must catch
+    cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
 
-    def __init__(self, Region region not None, str name not None, *, block_bytes,
-                 capacity_blocks, block_tokens=16, algorithm="blake2b", salt=b"",
+    def __init__(self, Region region not None, str name not None, *, block_bytes=None,
+                 capacity_blocks=None, block_tokens=16, algorithm="blake2b", salt=b"",
                  create=True):
         for what, v in (("block_bytes", block_bytes), ("capacity_blocks", capacity_blocks),
                         ("block_tokens", block_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
-        if block_tokens >= 1 << 32:
-            raise ValueError(f"block_tokens must be below 2**32, got {block_tokens}")
+        if block_tokens is None or block_tokens >= 1 << 32:
+            raise ValueError(f"block_tokens must be a positive int below 2**32, "
+                             f"got {block_tokens!r}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
         raw = name.encode("utf-8", "surrogatepass")
@@ -134,12 +155,6 @@ cdef class KVCache:
         self.region = region
         self.r = region.backend.region()
         self.name = name
-        self.block_bytes = block_bytes
-        self.capacity = capacity_blocks
-        self.slots = 8
-        while self.slots < 2 * capacity_blocks:  # load factor <= 1/2 keeps probe runs short
-            self.slots <<= 1
-        self._mask = self.slots - 1
         self.block_tokens = block_tokens
         self.algorithm = algorithm
         self._salt = salt
@@ -153,9 +168,17 @@ cdef class KVCache:
         self._pin_lock = region.lock(f"kvp:{tag}").index
         from cxlrt.lock import _ctx_address
         self.L = <cxl_lockctx*><size_t>_ctx_address(region.locks)
-        self._attach(name, create)
+        self._attach(name, create, block_bytes, capacity_blocks)
         self._map_procs()
         self.recover()  # a restarted worker heals what its dead predecessor pinned
+
+    def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
+        self.block_bytes = block_bytes
+        self.capacity = capacity
+        self.slots = 8
+        while self.slots < 2 * capacity:  # load factor <= 1/2 keeps probe runs short
+            self.slots <<= 1
+        self._mask = self.slots - 1
 
     # --- creation and attach ------------------------------------------------------------
 
@@ -183,44 +206,37 @@ cdef class KVCache:
         body = b"".join(w.to_bytes(8, "little") for w in words)
         return body + _fnv(self._geometry() + body).to_bytes(8, "little")
 
-    def _attach(self, str name, bint create):
+    def _attach(self, str name, bint create, block_bytes, capacity):
         region = self.region
+        key = DIR_PREFIX + name
         try:
-            off = region.get(name)
+            off = region.get(key)
         except KeyError:
             off = None
         if off is None:
             if not create:
                 raise KeyError(f"no KV cache named {name!r} in {region.spec}")
+            if block_bytes is None or capacity is None:
+                raise ValueError(f"KV cache {name!r} does not exist yet: creating it needs "
+                                 "block_bytes and capacity_blocks")
+            self._set_geometry(block_bytes, capacity)
             with region.lock("kv:create"):
                 try:
-                    off = region.get(name)
+                    off = region.get(key)
                 except KeyError:
-                    off = self._create(name)
+                    off = self._create(key)
+        if block_bytes is None or capacity is None:  # attach with the recorded geometry
+            geo = self._header(off)[0]
+            block_bytes = block_bytes or int.from_bytes(geo[32:40], "little")
+            capacity = capacity or int.from_bytes(geo[24:32], "little")
+            if block_bytes < 1 or capacity < 1 or capacity > self._heap_hi:
+                raise RegionError(f"KV cache {name!r}: recorded geometry is corrupt")
+        self._set_geometry(block_bytes, capacity)
         self.offset = off
         self._validate(off)
 
-    def _create(self, str name):
-        region = self.region
-        total = self._total()
-        try:
-            base = region.alloc(total, 64)
-        except OutOfMemory as e:
-            raise OutOfMemory(f"KV cache {name!r}: its index needs {total} bytes: {e}") from None
-        zeros = bytes(min(total, 1 << 20))
-        pos = 0
-        while pos < total:  # the heap keeps old bytes; DMA bypasses every cache
-            n = min(len(zeros), total - pos)
-            region.dma_write(base + pos, zeros[:n])
-            pos += n
-        region.store(base + 64, self._layout(base, cxl_wall_ns()))
-        region.persist(base + 64, 64)
-        region.store(base, self._geometry())  # the magic goes last: attachers wait for it
-        region.persist(base, 64)
-        region.put(name, base)
-        return base
-
-    def _validate(self, uint64_t base):
+    def _header(self, uint64_t base):
+        """(geometry line, layout line) of the cache object at `base`, checked."""
         region = self.region
         if base % 64 or base < self._heap_lo or base + KV_HEADER > self._heap_hi:
             raise RegionError(f"KV cache {self.name!r}: directory offset {base} is not a "
@@ -235,6 +251,31 @@ cdef class KVCache:
                               f"{int.from_bytes(geo[8:12], 'little')}; this build reads {VERSION}")
         if _fnv(geo + lay[:56]) != int.from_bytes(lay[56:64], "little"):
             raise RegionError(f"KV cache {self.name!r}: header checksum mismatch (corrupt)")
+        return geo, lay
+
+    def _create(self, str name):
+        region = self.region
+        total = self._total()
+        try:
+            base = region.alloc(total, 64)
+        except OutOfMemory as e:
+            raise OutOfMemory(f"KV cache {name!r}: its index needs {total} bytes: {e}") from None
+        region.flush(base, total)  # no stale line of the memory's last use may land later
+        zeros = bytes(min(total, 1 << 20))
+        pos = 0
+        while pos < total:  # the heap keeps old bytes; DMA bypasses every cache
+            n = min(len(zeros), total - pos)
+            region.dma_write(base + pos, zeros[:n])
+            pos += n
+        region.store(base + 64, self._layout(base, cxl_wall_ns()))
+        region.persist(base + 64, 64)
+        region.store(base, self._geometry())  # the magic goes last: attachers wait for it
+        region.persist(base, 64)
+        region.put(name, base)
+        return base
+
+    def _validate(self, uint64_t base):
+        geo, lay = self._header(base)
         self._check_scheme(geo)
         words = [int.from_bytes(lay[i:i + 8], "little") for i in range(0, 56, 8)]
         if words[0] != self._nodes or words[5] != self._total() or \
@@ -270,8 +311,8 @@ cdef class KVCache:
         raise SchemeMismatchError(
             f"KV cache {self.name!r} in {self.region.spec} was created with a different scheme: "
             + "; ".join(diffs or ["geometry words differ"])
-            + ". Keys would never match (a silent zero hit rate); attach with the same "
-              "parameters or use another name")
+            + ". Attach with the same parameters or use another name (with another salt or "
+              "block size, keys would never match: a silent zero hit rate)")
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -347,15 +388,22 @@ cdef class KVCache:
         """Add `delta` to our node's pin on each slot and publish (pin mutex held).
 
         Each pin is also counted in this process's record of the node-local pin
-        table, so the node's other processes can give back the pins of one that died.
+        table, so the node's other processes can give back the pins of one that
+        died. The shared word is raised before the record and lowered after it:
+        a crash in between can only leave a pin too many (the block stays), never
+        one too few (a block freed under a reader).
         """
-        cdef uint64_t i, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
+        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
         cdef uint16_t* mine
-        cdef int rc = self._own_record()
-        if rc != 0:
-            return rc
+        cdef int rc = 0
+        if self._rec < 0 or self._rec_pid != cxl_pid():
+            return CXLRT_E_KVNOREC
         mine = self._record(self._rec)
         for i in range(n):
+            if delta < 0:
+                if mine[slots[i]] == 0:
+                    continue  # not ours to give back (a Hit of another process)
+                mine[slots[i]] -= 1
             at = self._pin_at(self._node, slots[i])
             rc = cxl_load64(self.r, at, &w)
             if rc != 0:
@@ -366,103 +414,142 @@ cdef class KVCache:
                     rc = CXLRT_E_KVPINS
                     break
                 cnt += 1
-                mine[slots[i]] += 1
-            else:
-                if cnt > 0:
-                    cnt -= 1
-                if mine[slots[i]] > 0:
-                    mine[slots[i]] -= 1
+            elif cnt > 0:
+                cnt -= 1
             rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
             if rc == 0:
                 rc = cxl_flush_nodrain(self.r, at, 8)
             if rc != 0:
                 break
+            if delta > 0:
+                mine[slots[i]] += 1
         if rc != 0 and delta > 0 and i > 0:
             self._pin_add(slots, i, -1)  # all or nothing: a failed lookup holds no pins
         if rc != 0:
             return rc
         return cxl_fence(self.r)
 
+    cdef int _enter_pins(self) noexcept nogil:
+        """Take the node's pin mutex; if its last holder died mid-update, rebuild
+        our node's pin words from the records (the truth for live processes)."""
+        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
+        if rc == 1:
+            rc = self._rebuild_pins()
+            if rc != 0:
+                cxl_local_exit(self.L, self._pin_lock)
+        return rc
+
+    cdef int _rebuild_pins(self) noexcept nogil:
+        cdef uint64_t s, w, at, total
+        cdef int k, rc
+        for s in range(self.slots):
+            total = 0
+            for k in range(PROC_RECORDS):
+                if self._record_head(k)[0] != 0:
+                    total += self._record(k)[s]
+            at = self._pin_at(self._node, s)
+            rc = cxl_load64(self.r, at, &w)
+            if rc == 0 and (w & KV_PIN_MAX) != min(total, KV_PIN_MAX):
+                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | min(total, KV_PIN_MAX))
+                if rc == 0:
+                    rc = cxl_flush_nodrain(self.r, at, 8)
+            if rc != 0:
+                return rc
+        return cxl_fence(self.r)
+
     # --- the node-local pin table ---------------------------------------------------------
-    # One record per process that pins: its pid, then a 16-bit count per slot. It lives
-    # in a host file next to the node-local lock file, so it never crosses hosts.
+    # One record per process that pins: its pid and start time, then a 16-bit count
+    # per slot. It lives in a host file next to the node-local lock file, so it never
+    # crosses hosts; every process of a node must share that folder and pid namespace.
 
     cdef inline uint16_t* _record(self, int k) noexcept nogil:
         return <uint16_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride + 64)
 
-    cdef inline uint64_t* _record_pid(self, int k) noexcept nogil:
+    cdef inline uint64_t* _record_head(self, int k) noexcept nogil:
+        """[pid, start time] of record k; pid 0 = free."""
         return <uint64_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride)
 
-    cdef int _own_record(self) noexcept nogil:
-        """Make sure this process has a record (pin mutex held)."""
-        cdef int k, pid = cxl_pid()
-        if self._rec >= 0 and self._rec_pid == pid:
-            return 0
-        for k in range(PROC_RECORDS):
-            if self._record_pid(k)[0] == 0:
-                break
-        else:
-            self._recover_dead()
-            for k in range(PROC_RECORDS):
-                if self._record_pid(k)[0] == 0:
-                    break
-            else:
-                return CXLRT_E_KVPROCS
-        memset(self._record(k), 0, self.slots * 2)
-        self._record_pid(k)[0] = <uint64_t>pid
-        self._rec = k
-        self._rec_pid = pid
-        return 0
-
-    cdef int _recover_dead(self) noexcept nogil:
-        """Give back the pins of this node's dead processes (pin mutex held).
-
-        Returns the number of pins released, or a negative status.
-        """
-        cdef int k, rc
-        cdef uint64_t pid, s, w, at, cnt, freed = 0
-        cdef uint16_t* c
-        for k in range(PROC_RECORDS):
-            pid = self._record_pid(k)[0]
-            if pid == 0 or pid == <uint64_t>cxl_pid() or not _pid_dead(pid):
+    cdef int _release_record(self, int k) noexcept nogil:
+        """Give back every pin of record k and free it (pin mutex held)."""
+        cdef uint64_t s, w, at, cnt
+        cdef uint16_t* c = self._record(k)
+        cdef int rc
+        for s in range(self.slots):
+            if c[s] == 0:
                 continue
-            c = self._record(k)
+            at = self._pin_at(self._node, s)
+            rc = cxl_load64(self.r, at, &w)
+            if rc != 0:
+                return rc
+            cnt = w & KV_PIN_MAX
+            cnt = cnt - c[s] if cnt > c[s] else 0
+            c[s] = 0
+            rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
+            if rc == 0:
+                rc = cxl_flush_nodrain(self.r, at, 8)
+            if rc != 0:
+                return rc
+        self._record_head(k)[0] = 0
+        self._record_head(k)[1] = 0
+        return cxl_fence(self.r)
+
+    def _recover_locked(self):
+        """Release the records of dead processes (pin mutex held); pins given back."""
+        cdef int k, rc
+        cdef uint64_t s
+        freed = 0
+        for k in range(PROC_RECORDS):
+            pid, start = self._record_head(k)[0], self._record_head(k)[1]
+            if pid == 0 or _process_alive(pid, start):
+                continue
             for s in range(self.slots):
-                if c[s] == 0:
-                    continue
-                at = self._pin_at(self._node, s)
-                rc = cxl_load64(self.r, at, &w)
-                if rc != 0:
-                    return rc
-                cnt = w & KV_PIN_MAX
-                cnt = cnt - c[s] if cnt > c[s] else 0
-                freed += c[s]
-                c[s] = 0
-                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
-                if rc == 0:
-                    rc = cxl_flush_nodrain(self.r, at, 8)
-                if rc != 0:
-                    return rc
-            self._record_pid(k)[0] = 0
-        rc = cxl_fence(self.r)
-        return rc if rc != 0 else <int>min(freed, 1 << 30)
+                freed += self._record(k)[s]
+            with nogil:
+                rc = self._release_record(k)
+            if rc != 0:
+                self._raise(rc, "recover")
+        return freed
 
     def recover(self):
         """Give back pins held by this node's dead processes; returns how many.
 
-        Runs when a process attaches and when eviction finds nothing to evict; a
-        node's pins are only ever written by the node itself, so each node heals
-        its own.
+        Runs when a process attaches, when it first pins, and when eviction finds
+        nothing to evict; a node's pins are written only by the node itself, so
+        each node heals its own.
         """
         self._need_open()
-        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
+        cdef int rc
+        with nogil:
+            rc = self._enter_pins()
         if rc != 0:
             self._raise(rc, "recover")
-        rc = self._recover_dead()
-        cxl_local_exit(self.L, self._pin_lock)
-        if rc < 0:
-            self._raise(rc, "recover")
-        return rc
+        try:
+            return self._recover_locked()
+        finally:
+            cxl_local_exit(self.L, self._pin_lock)
+
+    def _claim_record(self):
+        """Give this process a record of the pin table (first pin after start or fork)."""
+        cdef int k, rc
+        pid = os.getpid()
+        with nogil:
+            rc = self._enter_pins()
+        if rc != 0:
+            self._raise(rc, "pin")
+        try:
+            self._recover_locked()
+            for k in range(PROC_RECORDS):
+                if self._record_head(k)[0] == 0:
+                    memset(self._record(k), 0, self.slots * 2)
+                    self._record_head(k)[1] = _process_start(pid)
+                    self._record_head(k)[0] = pid
+                    self._rec = k
+                    self._rec_pid = pid
+                    return
+        finally:
+            cxl_local_exit(self.L, self._pin_lock)
+        raise RuntimeError(f"KV cache {self.name!r}: {PROC_RECORDS} live processes of node "
+                           f"{self._node} already hold records of its pin table")
 
     def _map_procs(self):
         from cxlrt.nodelocal import local_dir
@@ -472,6 +559,7 @@ cdef class KVCache:
                                          f"-kv{self.offset:x}.pins")
         head = PROC_MAGIC.to_bytes(8, "little") + self.offset.to_bytes(8, "little") + \
             self.slots.to_bytes(8, "little")
+        fresh = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
@@ -479,11 +567,32 @@ cdef class KVCache:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, size)  # zero: no process holds pins
                 os.pwrite(fd, head, 0)
+                fresh = True
+            self._procs_map = Mapping(path, size)
+            self._procs = self._procs_map.base
+            self._rec = -1
+            if fresh:
+                # No process of this node holds a pin now (its table is new: a first
+                # attach, or a host that lost /dev/shm). Pins left in the region by the
+                # node's earlier life would keep their blocks forever: clear them.
+                self._clear_node_pins()
         finally:
             os.close(fd)
-        self._procs_map = Mapping(path, size)
-        self._procs = self._procs_map.base
-        self._rec = -1
+
+    def _clear_node_pins(self):
+        cdef int rc
+        with nogil:
+            rc = self._enter_pins()
+        if rc != 0:
+            self._raise(rc, "attach")
+        try:
+            at = self._pins + self._node * self.slots * 8
+            zeros = bytes(self.slots * 8)
+            self.region.flush(at, len(zeros))
+            self.region.store(at, zeros)
+            self.region.persist(at, len(zeros))
+        finally:
+            cxl_local_exit(self.L, self._pin_lock)
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..STATS_WORDS) to our node's stats line (pin mutex held)."""
@@ -500,7 +609,7 @@ cdef class KVCache:
         return rc
 
     cdef int _stats_locked(self, const uint64_t* d) noexcept nogil:
-        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
+        cdef int rc = self._enter_pins()
         if rc != 0:
             return rc
         rc = self._stat_add(d)
@@ -514,9 +623,9 @@ cdef class KVCache:
             raise RegionError(
                 f"KV cache {self.name!r}: {what}: slot {self._bad_slot} holds an entry or "
                 "payload that cannot be right (corrupt region; run `cxlrt check`)")
-        if rc == CXLRT_E_KVPROCS:
-            raise RuntimeError(f"KV cache {self.name!r}: {what}: {PROC_RECORDS} live processes "
-                               "of this node already hold pins")
+        if rc == CXLRT_E_KVNOREC:
+            raise RuntimeError(f"KV cache {self.name!r}: {what}: this process has no record "
+                               "in the node's pin table")
         if rc == CXLRT_E_KVPINS:
             raise RuntimeError(f"KV cache {self.name!r}: {what}: this node holds {KV_PIN_MAX} "
                                "pins on one block; release hits")
@@ -547,28 +656,26 @@ cdef class KVCache:
         ``hit.release()`` or the end of a ``with`` block.
         """
         self._need_open()
-        cdef list ks = _keys(keys)
+        cdef tuple ks = tuple(_keys(keys))
         cdef uint64_t n = len(ks), m = 0, j
+        if self._rec < 0 or self._rec_pid != os.getpid():
+            self._claim_record()
         cdef Hit hit = Hit.__new__(Hit)
         hit.cache = self
+        hit.owner_pid = os.getpid()
         hit._alloc(n)
-        cdef const char** kp = <const char**>malloc(max(n, 1) * sizeof(char*))
-        if kp == NULL:
-            raise MemoryError()
         for j in range(n):
-            kp[j] = PyBytes_AS_STRING(ks[j])
+            hit.keyp[j] = PyBytes_AS_STRING(ks[j])  # ks outlives the Hit: hit.keys keeps it
+        hit.keys = ks
         cdef int rc
+        self.region._busy += 1  # Region.close() refuses while we run without the GIL
         try:
             with nogil:
-                rc = self._lookup(kp, n, hit, &m)
+                rc = self._lookup(hit.keyp, n, hit, &m)
         finally:
-            free(kp)
+            self.region._busy -= 1
         hit.n = m
-        hit.keys = ks[:m]
-        hit.keyp = <const char**>malloc(max(m, 1) * sizeof(char*))
-        if hit.keyp == NULL:
-            hit.release()
-            raise MemoryError()
+        hit.keys = ks[:m] if m < n else ks
         for j in range(m):
             hit.keyp[j] = PyBytes_AS_STRING(hit.keys[j])
         if rc != 0:
@@ -594,7 +701,7 @@ cdef class KVCache:
             hit.offs[m] = e.off
             m += 1
         memset(st, 0, sizeof(st))
-        rc = cxl_local_enter(self.L, self._pin_lock)
+        rc = self._enter_pins()
         if rc != 0:
             return rc
         if m:
@@ -617,7 +724,7 @@ cdef class KVCache:
         st[0] = 1
         st[1] = keep
         st[2] = n - keep
-        if cxl_local_enter(self.L, self._pin_lock) == 0:
+        if self._enter_pins() == 0:
             if keep < m:
                 self._pin_add(hit.slots + keep, m - keep, -1)
             self._stat_add(st)
@@ -627,7 +734,7 @@ cdef class KVCache:
         return rc
 
     cdef int _unpin(self, const uint64_t* slots, uint64_t n) noexcept nogil:
-        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
+        cdef int rc = self._enter_pins()
         if rc != 0:
             return rc
         rc = self._pin_add(slots, n, -1)
@@ -682,10 +789,16 @@ cdef class KVCache:
         for i in range(n):
             mv = dst[i]
             p = <char*>&mv[0]
-            with nogil:
-                rc = self._check_payload(hit, first + i)
-                if rc == 0:
-                    rc = cxl_dma_read(self.r, hit.offs[first + i] + KV_PAYLOAD_HDR, p, bb)
+            self.region._busy += 1  # Region.close() refuses while we copy without the GIL
+            try:
+                with nogil:
+                    rc = self._check_payload(hit, first + i)
+                    if rc == 0:
+                        rc = cxl_dma_read(self.r, hit.offs[first + i] + KV_PAYLOAD_HDR, p, bb)
+                    if rc == 0:  # and still ours after the copy: no reuse slipped in
+                        rc = self._check_payload(hit, first + i)
+            finally:
+                self.region._busy -= 1
             if rc != 0:
                 self._raise(rc, "load")
         memset(st, 0, sizeof(st))
@@ -703,6 +816,8 @@ cdef class KVCache:
         lines are flushed first, so the CPU reads what the writer's DMA left.
         """
         self._need_open()
+        if hit.cache is not self:
+            raise ValueError("this Hit came from another KV cache")
         if hit.released:
             raise ValueError("this Hit was released: its blocks may be gone")
         if not self.r.caps & CXL_CAP_MAPPABLE:
@@ -743,29 +858,38 @@ cdef class KVCache:
         cdef uint64_t st[8]
         memset(st, 0, sizeof(st))
         with self._lock:
-            for j in range(n):
-                got = self._reserve(ks[j])
-                if got is None:
-                    st[4] += 1
-                    continue
-                if got is False:
-                    break  # no room even after eviction: store what we have
-                reserved.append(got + (j,))
+            try:
+                for j in range(n):
+                    got = self._reserve(ks[j])
+                    if got is None:
+                        st[4] += 1
+                        continue
+                    if got is False:
+                        break  # no room even after eviction: store what we have
+                    reserved.append(got + (j,))
+            except BaseException:
+                self._finish(reserved, ks, False)  # nothing half-reserved stays behind
+                raise
         done = False
+        published = []
         try:
-            self._copy(reserved, ks, srcs)
+            self.region._busy += 1  # Region.close() refuses while we copy without the GIL
+            try:
+                self._copy(reserved, ks, srcs)
+            finally:
+                self.region._busy -= 1
             done = True
         finally:
             with self._lock:
-                self._finish(reserved, ks, done)
-        st[3] = len(reserved)
-        st[6] = len(reserved) * bb
+                published = self._finish(reserved, ks, done)
+        st[3] = len(published)
+        st[6] = len(published) * bb
         cdef int rc
         with nogil:
             rc = self._stats_locked(st)
         if rc != 0:
             self._raise(rc, "store")
-        return [ks[t[3]] for t in reserved]
+        return [ks[j] for j in published]
 
     def _reserve(self, bytes key):
         """Claim a slot and a payload for `key` (cache lock held).
@@ -782,7 +906,15 @@ cdef class KVCache:
         if rc < 0:
             self._raise(rc, "store")
         if rc == 1:
-            return None
+            if _state(&e) != KV_WRITING or not self._writer_dead(e.owner, e.stamp_ns):
+                return None  # present, or being written: exactly one copy wins
+            self._evict_one(s, True)  # its writer died: the key is free to store again
+            with nogil:
+                rc = self._probe(kp, &s, &e, &free_slot)
+            if rc != 0:
+                if rc < 0:
+                    self._raise(rc, "store")
+                return None
         if self._occupancy() >= self.capacity:
             if not self._evict(max(1, self.capacity // 16)):
                 return False
@@ -808,6 +940,9 @@ cdef class KVCache:
             if rc < 0:
                 self.region.free(off)
                 self._raise(rc, "store")
+            if free_slot == <uint64_t>-1:
+                self.region.free(off)
+                return False
         s = free_slot
         with nogil:
             rc = self._read(s, &e)
@@ -824,6 +959,7 @@ cdef class KVCache:
         with nogil:
             rc = self._write(s, &e)
         if rc != 0:
+            self.region.free(off)
             self._raise(rc, "store")
         self._add_occupancy(1, <long long>self.block_bytes)
         return (s, gen, off)
@@ -850,10 +986,14 @@ cdef class KVCache:
                 self._raise(rc, "store")
 
     def _finish(self, list reserved, list ks, bint ok):
-        """Publish the reserved entries ready, or give them back (cache lock held)."""
+        """Publish the reserved entries ready, or give them back (cache lock held).
+
+        Returns the indexes (into `ks`) of the entries published.
+        """
         cdef kv_entry e
         cdef uint64_t s, gen
         cdef int rc
+        published = []
         for s, gen, off, j in reserved:
             with nogil:
                 rc = self._read(s, &e)
@@ -872,9 +1012,12 @@ cdef class KVCache:
                 rc = self._write(s, &e)
             if rc != 0:
                 self._raise(rc, "store")
-            if not ok:
+            if ok:
+                published.append(j)
+            else:
                 self.region.free(off)
                 self._add_occupancy(-1, -<long long>self.block_bytes)
+        return published
 
     # --- occupancy and eviction ----------------------------------------------------------
 
@@ -887,8 +1030,13 @@ cdef class KVCache:
         self.region.flush(at, 64)
         occ = self.region.load64(at)
         pb = self.region.load64(at + 8)
-        self.region.store64(at, max(0, occ + d))
-        self.region.store64(at + 8, max(0, pb + nbytes))
+        self._set_occupancy(max(0, occ + d), max(0, pb + nbytes))
+
+    def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
+        at = self.offset + 128
+        self.region.flush(at, 64)
+        self.region.store64(at, occ)
+        self.region.store64(at + 8, nbytes)
         self.region.persist(at, 64)
 
     cdef int _pinned(self, uint64_t s, uint64_t* recency_ms) noexcept nogil:
@@ -917,15 +1065,17 @@ cdef class KVCache:
         cdef uint64_t s, rec, owner_node
         cdef int rc
         cdef list cands = []
+        used = 0
         for s in range(self.slots):
             with nogil:
                 rc = self._read(s, &e)
             if rc != 0:
                 self._raise(rc, "evict")
             st = _state(&e)
+            if st in (KV_WRITING, KV_READY, KV_EVICTING):
+                used += 1
             if st == KV_WRITING:
-                owner_node = e.owner & 0xffff
-                if self._writer_dead(owner_node, e.owner >> 16):
+                if self._writer_dead(e.owner, e.stamp_ns):
                     cands.append((-1, s))
                 continue
             if st != KV_READY and st != KV_EVICTING:
@@ -937,6 +1087,9 @@ cdef class KVCache:
                 self._raise(rc, "evict")
             if rc == 0 or self._ignore_pins:
                 cands.append((rec, s))
+        # The scan saw every entry under the lock: the exact count, whatever a crash
+        # between an entry write and a counter update left behind.
+        self._set_occupancy(used, used * self.block_bytes)
         cands.sort()
         freed = 0
         for prio, slot in cands:
@@ -950,20 +1103,23 @@ cdef class KVCache:
             return self._evict(want)  # our node's dead processes held the pins
         return freed
 
-    def _writer_dead(self, uint64_t node, uint64_t pid):
+    def _writer_dead(self, uint64_t owner, uint64_t stamp_ns):
+        """Whether the writer of a `writing` entry is gone for good.
+
+        On our node the kernel knows. Another node is judged by its heartbeat,
+        as the locks judge it, but only once the entry is four leases old: a
+        writer wrongly presumed dead would go on copying into a payload we had
+        handed to someone else.
+        """
+        cdef uint64_t node = owner & 0xffff, pid = owner >> 16
         if node >= self._nodes:
             return True
         if node != self._node:
-            return bool(cxl_node_dead(self.L, <uint32_t>node))
+            old = cxl_wall_ns() > stamp_ns + 4 * self.region.lease_ms * 1000000
+            return old and bool(cxl_node_dead(self.L, <uint32_t>node))
         if pid == <uint64_t>os.getpid():
             return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, OverflowError):
-            return False
-        return False
+        return not _process_alive(pid, 0)
 
     def _evict_one(self, uint64_t s, bint writing):
         cdef kv_entry e
@@ -1094,23 +1250,32 @@ cdef class KVCache:
 
 
 cdef class Hit:
-    """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``."""
+    """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``.
+
+    Made by :meth:`KVCache.lookup`. The pins belong to the process that looked up:
+    in a forked child, ``release()`` only forgets them.
+    """
 
     cdef readonly KVCache cache
-    cdef readonly list keys
+    cdef readonly tuple keys
     cdef uint64_t n
     cdef uint64_t* slots
     cdef uint64_t* gens
     cdef uint64_t* offs
     cdef const char** keyp
     cdef readonly bint released
+    cdef int owner_pid
+
+    def __cinit__(self):
+        self.keys = ()
 
     cdef _alloc(self, uint64_t n):
         cdef uint64_t k = max(n, 1)
         self.slots = <uint64_t*>malloc(k * 8)
         self.gens = <uint64_t*>malloc(k * 8)
         self.offs = <uint64_t*>malloc(k * 8)
-        if self.slots == NULL or self.gens == NULL or self.offs == NULL:
+        self.keyp = <const char**>malloc(k * sizeof(char*))
+        if self.slots == NULL or self.gens == NULL or self.offs == NULL or self.keyp == NULL:
             raise MemoryError()
 
     def __len__(self):
@@ -1118,19 +1283,22 @@ cdef class Hit:
 
     @property
     def nbytes(self):
-        return self.n * self.cache.block_bytes
+        return self.n * self.cache.block_bytes if self.cache is not None else 0
+
+    cdef bint _mine(self):
+        return (not self.released and self.cache is not None and self.n > 0
+                and self.owner_pid == cxl_pid() and not self.cache.r.closed)
 
     def release(self):
         """Unpin the blocks (idempotent)."""
-        if self.released or self.cache is None:
-            return
-        self.released = True
         cdef int rc = 0
-        if self.n and not self.cache.r.closed:
+        mine = self._mine()
+        self.released = True
+        if mine:
             with nogil:
                 rc = self.cache._unpin(self.slots, self.n)
-        if rc != 0:
-            self.cache._raise(rc, "release")
+            if rc != 0:
+                self.cache._raise(rc, "release")
 
     def __enter__(self):
         return self
@@ -1139,8 +1307,7 @@ cdef class Hit:
         self.release()
 
     def __dealloc__(self):
-        if not self.released and self.cache is not None and self.n \
-                and not self.cache.r.closed and self.slots != NULL:
+        if self._mine():
             self.cache._unpin(self.slots, self.n)
         free(self.slots)
         free(self.gens)
@@ -1172,7 +1339,12 @@ cdef uint64_t _fnv(bytes b):
     return h
 
 
-def forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t length,
+def _break_pin_protocol(KVCache cache):
+    """Make `cache` evict pinned blocks: the broken protocol the tests must catch."""
+    cache._ignore_pins = True
+
+
+def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t length,
                 uint64_t owner=0, uint64_t stamp_ns=0):
     """The 64 bytes of an entry with a valid check word (tests forge corrupt entries)."""
     cdef kv_entry e

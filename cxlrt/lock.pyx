@@ -413,8 +413,8 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """Take only lock `id`'s node-local mutex: serialises this node's processes
     over state that only this node writes (a KV cache's pin counters), with no
-    global tier. 0, or a negative errno. A dead previous holder is harmless: each
-    word it wrote was written whole."""
+    global tier. 0; 1 when the previous holder died holding it (the caller
+    repairs what it guards); or a negative errno."""
     cdef cxl_local_lock* s = _slot(L, id)
     cdef int rc = cxl_mutex_trylock(&s.m)
     if rc < 0:
@@ -423,7 +423,7 @@ cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
         return rc
     s.holder_pid = <uint32_t>cxl_pid()
     s.holder_tid = cxl_thread_id()
-    return 0
+    return rc
 
 
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil:

@@ -64,6 +64,16 @@ class Plan:
     def block_bytes(self) -> int:
         return self.model.block_bytes(self.block_tokens)
 
+    @property
+    def salt(self) -> bytes:
+        """What makes this run's KV differ beyond tokens: model, weights, dtype, layout.
+
+        A cache salted with it never serves KV of another model or layout.
+        """
+        m = self.model
+        return (f"cxlrt-demo/TinyLM/v{m.vocab}-d{m.d_model}-l{m.n_layers}-h{m.n_heads}"
+                f"-f{m.d_ff}/seed{m.seed}/float32/kv[tok,layer,2,d]").encode()
+
     def full_blocks(self, n_tokens: int) -> int:
         """Blocks the prefill side makes ready: every full block but the last token's."""
         return (n_tokens - 1) // self.block_tokens

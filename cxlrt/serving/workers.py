@@ -105,7 +105,7 @@ def _attach(plan: Plan, node: int) -> tuple[Any, Any]:
     """Open the region as ``node`` and attach to the demo's cache (made by the scheduler)."""
     import cxlrt
     region = cxlrt.open(plan.spec, node=node)
-    cache = cxlrt.KVCache(region, plan.cache_name, block_bytes=plan.block_bytes,
+    cache = cxlrt.KVCache(region, plan.cache_name, block_bytes=plan.block_bytes, salt=plan.salt,
                           capacity_blocks=plan.cache_blocks, block_tokens=plan.block_tokens,
                           create=False)
     return region, cache

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cxlrt
-from cxlrt.kvcache import forge_entry
+from cxlrt.kvcache import _break_pin_protocol, _forge_entry
 from tests.nodes import _CTX, raise_failures, run_procs
 
 BB = 4096  # block bytes in most tests
@@ -44,7 +44,7 @@ def test_store_lookup_load_round_trip_across_nodes(backend):
     stored = ca.store(keys, [block_for(k) for k in keys])
     assert stored == keys
     with cb.lookup(keys) as hit:
-        assert len(hit) == 6 and hit.keys == keys and hit.nbytes == 6 * BB
+        assert len(hit) == 6 and list(hit.keys) == keys and hit.nbytes == 6 * BB
         out = cb.load(hit)
         assert out.shape == (6, BB)
         assert [out[i].tobytes() for i in range(6)] == [block_for(k) for k in keys]
@@ -128,8 +128,15 @@ def _store_same(spec, node, keys, rounds):
     won = 0
     for _ in range(rounds):
         won += len(c.store(keys, [block_for(k) for k in keys]))
-    with c.lookup(keys) as hit:
-        assert len(hit) == len(keys)
+    deadline = time.monotonic() + 60
+    while True:  # a key skipped here may still be being written by its winner
+        hit = c.lookup(keys)
+        if len(hit) == len(keys) or time.monotonic() > deadline:
+            break
+        hit.release()
+        time.sleep(0.01)
+    with hit:
+        assert len(hit) == len(keys), f"node {node}: {len(hit)} of {len(keys)} became ready"
         out = c.load(hit)
         for i, k in enumerate(keys):
             assert out[i].tobytes() == block_for(k), f"node {node}: block {i} differs"
@@ -213,7 +220,8 @@ def _verify_pinned(spec, node, keys, q_ready, q_stop):
 def _fill(spec, node, conv, n, broken=False):
     r = cxlrt.open(spec, node=node)
     c = open_cache(r, capacity_blocks=16)
-    c._ignore_pins = broken
+    if broken:
+        _break_pin_protocol(c)
     stored = 0
     for i in range(n):
         keys = c.block_hashes(chain(conv * 1000 + i, 4))
@@ -344,21 +352,38 @@ def _store_and_die(spec, node, keys):
     c.store(keys, [block_for(k) for k in keys])
 
 
-def test_entries_of_a_writer_that_died_are_reclaimed(backend):
-    r = backend.create(nodes=1)
-    c = open_cache(r, capacity_blocks=4)
-    keys = c.block_hashes(chain(0, 4))
+def _die_storing(backend, keys):
     p = _CTX.Process(target=_store_and_die, args=(backend.spec(), 0, keys))
     p.start()
     p.join(60)
     assert p.exitcode == 9
+
+
+def test_entries_of_a_writer_that_died_are_reclaimed(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=4)
+    keys = c.block_hashes(chain(0, 4))
+    _die_storing(backend, keys)
     assert [e["state"] for e in c.entries()] == ["writing"] * 4
     with c.lookup(keys) as hit:
         assert len(hit) == 0  # never published: never served
-    assert c.store(keys, [block_for(k) for k in keys]) == []  # present (being written)
-    other = c.block_hashes(chain(1, 2))
-    assert c.store(other, [block_for(k) for k in other]) == other  # dead writer's slots freed
-    assert c.stats()["occupancy"] <= 4
+    # Storing the same keys reclaims them on the spot: a dead writer hides no prefix.
+    assert c.store(keys, [block_for(k) for k in keys]) == keys
+    with c.lookup(keys) as hit:
+        assert [bytes(b) for b in c.load(hit)] == [block_for(k) for k in keys]
+    # Other keys: eviction takes the dead writer's entries before any ready block.
+    time.sleep(0.003)
+    with c.lookup(keys[:2]):  # the most recently used: eviction must leave them
+        pass
+    half = c.block_hashes(chain(1, 2))
+    _die_storing(backend, half)
+    assert sorted(e["state"] for e in c.entries()) == ["ready"] * 2 + ["writing"] * 2
+    more = c.block_hashes(chain(2, 2))
+    assert c.store(more, [block_for(k) for k in more]) == more
+    assert sorted(e["state"] for e in c.entries()) == ["ready"] * 4
+    with c.lookup(keys[:2]) as hit:
+        assert len(hit) == 2  # the two ready blocks survived
+    assert c.stats()["occupancy"] == 4
     r.close()
 
 
@@ -366,7 +391,7 @@ def _corrupt(r, c, key, *, off=None, length=None, raw=None):
     e = next(e for e in c.entries() if e["key"] == key)
     at = c.slot_offset(e["slot"])
     if raw is None:
-        raw = forge_entry(key, 2, e["generation"], e["offset"] if off is None else off,
+        raw = _forge_entry(key, 2, e["generation"], e["offset"] if off is None else off,
                           e["length"] if length is None else length)
     r.store(at, raw)
     r.persist(at, 64)
@@ -418,7 +443,7 @@ def test_attach_with_another_scheme_says_what_differs(backend):
     with pytest.raises(cxlrt.SchemeMismatchError, match="block_bytes"):
         open_cache(b, salt=b"llama-3-8b/bf16", block_bytes=8192)
     same = open_cache(b, salt=b"llama-3-8b/bf16")
-    assert same.offset == r.get("kv")
+    assert same.offset == r.get("kv/kv")
     with pytest.raises(KeyError, match="no KV cache"):
         cxlrt.KVCache(b, "missing", block_bytes=BB, capacity_blocks=4, create=False)
     r.close()
@@ -502,4 +527,43 @@ def test_eviction_recovers_pins_of_its_own_nodes_dead_process(backend):
     p.join(60)
     more = c.block_hashes(chain(1, 2))
     assert c.store(more, [block_for(k) for k in more]) == more  # found nothing, healed, evicted
+    r.close()
+
+
+def test_a_forked_child_cannot_release_its_parents_pins(backend):
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    hit = c.lookup(keys)
+    p = _CTX.Process(target=hit.release)  # the child's release only forgets the pins
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    more = c.block_hashes(chain(1, 2))
+    assert c.store(more, [block_for(k) for k in more]) == []  # still pinned by us
+    hit.release()
+    assert c.store(more, [block_for(k) for k in more]) == more
+    r.close()
+
+
+def test_a_node_that_lost_its_pin_table_starts_with_no_pins(backend):
+    """A host that lost /dev/shm (reboot) must not leave its old pins in the region."""
+    r = backend.create(nodes=2)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.store(keys, [block_for(k) for k in keys])
+    p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 1, keys))
+    p.start()
+    p.join(60)
+    from cxlrt.nodelocal import local_dir
+    tables = [f for f in os.listdir(local_dir()) if f.endswith(".pins") and "-node1-" in f]
+    assert len(tables) == 1
+    os.unlink(os.path.join(local_dir(), tables[0]))
+    more = c.block_hashes(chain(1, 2))
+    assert c.store(more, [block_for(k) for k in more]) == []  # node 1's old pins
+    b = backend.open(1)
+    open_cache(b, capacity_blocks=8)  # a new table: node 1 clears its pins in the region
+    assert c.store(more, [block_for(k) for k in more]) == more
+    b.close()
     r.close()

@@ -33,6 +33,7 @@ from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, 
                                     likely, unlikely)
 from cxlrt.region cimport Region
 
+from cxlrt.directory import check_name
 from cxlrt.errors import CxlrtError, RegionError
 from cxlrt.superblock import host_id as _host_id
 
@@ -231,15 +232,7 @@ _roles = {}
 
 
 def _check_name(name):
-    if not isinstance(name, str):
-        raise TypeError(f"channel names are str, not {type(name).__name__}")
-    try:
-        raw = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"channel name {name!r} is not valid UTF-8") from None
-    if not 1 <= len(raw) <= MAX_NAME:
-        raise ValueError(f"channel names are 1..{MAX_NAME} bytes of UTF-8; "
-                         f"{name[:20]!r}... is {len(raw)}")
+    check_name(name, "channel", MAX_NAME)
 
 
 def _check_count(what, value, lo, hi):

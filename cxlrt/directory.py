@@ -17,17 +17,21 @@ NAME_BYTES = 64
 _HDR = struct.Struct("<QQQQ")  # state, off, name_len, generation
 
 
-def _name(name: str) -> bytes:
+def check_name(name: str, what: str = "directory", limit: int = NAME_BYTES) -> bytes:
+    """The UTF-8 bytes of a name of 1..`limit` bytes; TypeError/ValueError otherwise."""
     if not isinstance(name, str):
-        raise TypeError(f"directory names are str, not {type(name).__name__}")
+        raise TypeError(f"{what} names are str, not {type(name).__name__}")
     try:
         raw = name.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"directory name {name!r} is not valid UTF-8") from None
-    if not 1 <= len(raw) <= NAME_BYTES:
-        raise ValueError(f"directory names are 1..{NAME_BYTES} bytes of UTF-8; "
+        raise ValueError(f"{what} name {name!r} is not valid UTF-8") from None
+    if not 1 <= len(raw) <= limit:
+        raise ValueError(f"{what} names are 1..{limit} bytes of UTF-8; "
                          f"{name[:20]!r}... is {len(raw)}")
     return raw
+
+
+_name = check_name
 
 
 class Directory:

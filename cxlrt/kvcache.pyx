@@ -1001,23 +1001,33 @@ cdef class KVCache:
                 self._raise(rc, "store")
             if _state(&e) != KV_WRITING or _gen(&e) != gen:
                 continue  # reclaimed meanwhile (we were presumed dead): not ours now
-            if ok:
-                e.meta = (gen << 8) | KV_READY
-                e.stamp_ns = cxl_wall_ns()
-            else:
-                memset(<void*>e.key, 0, 16)
-                e.meta = ((gen + 1) << 8) | KV_TOMBSTONE
-                e.off = e.len = e.owner = 0
+            if not ok:
+                self._bury(s, &e, "store")
+                continue
+            e.meta = (gen << 8) | KV_READY
+            e.stamp_ns = cxl_wall_ns()
             with nogil:
                 rc = self._write(s, &e)
             if rc != 0:
                 self._raise(rc, "store")
-            if ok:
-                published.append(j)
-            else:
-                self.region.free(off)
-                self._add_occupancy(-1, -<long long>self.block_bytes)
+            published.append(j)
         return published
+
+    cdef _bury(self, uint64_t s, kv_entry* e, str what):
+        """Turn entry `s` (held in `e`) into a tombstone of the next generation and
+        free its payload (cache lock held): the slot's old (slot, generation) pair
+        is dead for every reader from here on."""
+        cdef uint64_t off = e.off
+        cdef int rc
+        memset(<void*>e.key, 0, 16)
+        e.meta = ((_gen(e) + 1) << 8) | KV_TOMBSTONE
+        e.off = e.len = e.owner = 0
+        with nogil:
+            rc = self._write(s, e)
+        if rc != 0:
+            self._raise(rc, what)
+        self.region.free(off)
+        self._add_occupancy(-1, -<long long>self.block_bytes)
 
     # --- occupancy and eviction ----------------------------------------------------------
 
@@ -1150,16 +1160,7 @@ cdef class KVCache:
         if not self._payload_ok(&e):
             self._bad_slot = s
             self._raise(CXLRT_E_KVCORRUPT, "evict")
-        off = e.off
-        memset(<void*>e.key, 0, 16)
-        e.meta = ((gen + 1) << 8) | KV_TOMBSTONE
-        e.off = e.len = e.owner = 0
-        with nogil:
-            rc = self._write(s, &e)
-        if rc != 0:
-            self._raise(rc, "evict")
-        self.region.free(off)
-        self._add_occupancy(-1, -<long long>self.block_bytes)
+        self._bury(s, &e, "evict")
         cdef uint64_t st[8]
         memset(st, 0, sizeof(st))
         st[5] = 1

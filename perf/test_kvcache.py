@@ -92,16 +92,25 @@ def _numpy_copy(src: list[np.ndarray], dst: np.ndarray) -> None:
         np.copyto(dst[i], b)
 
 
-@pytest.mark.parametrize("case", ["numpy", "file", "emu"])
-def test_store_2mib_blocks(bench, regions, case):
-    bench.describe("kv_store_2MiB", case, baseline=NUMPY if case == "numpy" else None,
+def _bulk(bench, group: str, case: str):
+    """Describe a bandwidth row; returns (blocks, numpy baseline), or None once the
+    numpy row itself has run."""
+    bench.describe(group, case, baseline=NUMPY if case == "numpy" else None,
                    bytes=NBLK * BB, target=TARGET if case == "file" else None)
     src = _blocks()
-    dst = np.ones((NBLK, BB), np.uint8)
-    baseline = partial(_numpy_copy, src, dst)
+    baseline = partial(_numpy_copy, src, np.ones((NBLK, BB), np.uint8))
     if case == "numpy":
         bench.run(baseline, rounds=ROUNDS, warmup=WARMUP)
+        return None
+    return src, baseline
+
+
+@pytest.mark.parametrize("case", ["numpy", "file", "emu"])
+def test_store_2mib_blocks(bench, regions, case):
+    got = _bulk(bench, "kv_store_2MiB", case)
+    if got is None:
         return
+    src, baseline = got
     cache = cxlrt.KVCache(regions(case), "perf-store", block_bytes=BB, capacity_blocks=2 * NBLK)
     counter = itertools.count()
     stored = []
@@ -121,14 +130,10 @@ def test_store_2mib_blocks(bench, regions, case):
 
 @pytest.mark.parametrize("case", ["numpy", "file", "emu"])
 def test_load_2mib_blocks(bench, regions, case):
-    bench.describe("kv_load_2MiB", case, baseline=NUMPY if case == "numpy" else None,
-                   bytes=NBLK * BB, target=TARGET if case == "file" else None)
-    src = _blocks()
-    dst = np.ones((NBLK, BB), np.uint8)
-    baseline = partial(_numpy_copy, src, dst)
-    if case == "numpy":
-        bench.run(baseline, rounds=ROUNDS, warmup=WARMUP)
+    got = _bulk(bench, "kv_load_2MiB", case)
+    if got is None:
         return
+    src, baseline = got
     cache = cxlrt.KVCache(regions(case), "perf-load", block_bytes=BB, capacity_blocks=NBLK)
     keys = cxlrt.block_hashes(range(16 * NBLK), 16, salt=b"load")
     assert cache.store(keys, src) == keys

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -34,6 +35,21 @@ def open_cache(r, **kw):
     kw.setdefault("block_bytes", BB)
     kw.setdefault("capacity_blocks", 64)
     return cxlrt.KVCache(r, "kv", **kw)
+
+
+def filled(backend, *, nodes=1, capacity=8, blocks=8):
+    """A fresh region and cache holding one conversation's `blocks` blocks."""
+    r = backend.create(nodes=nodes)
+    c = open_cache(r, capacity_blocks=capacity)
+    keys = c.block_hashes(chain(0, blocks))
+    assert c.store(keys, [block_for(k) for k in keys]) == keys
+    return r, c, keys
+
+
+def store_new(c, conv, n=2):
+    """Store `n` blocks of another conversation; returns (their keys, the keys stored)."""
+    more = c.block_hashes(chain(conv, n))
+    return more, c.store(more, [block_for(k) for k in more])
 
 
 def test_store_lookup_load_round_trip_across_nodes(backend):
@@ -230,26 +246,32 @@ def _fill(spec, node, conv, n, broken=False):
     return stored
 
 
-def test_eviction_never_frees_a_pinned_block(backend):
-    r = backend.create(nodes=3)
-    c = open_cache(r, capacity_blocks=16)
-    keys = c.block_hashes(chain(0, 4))
-    c.store(keys, [block_for(k) for k in keys])
+@contextmanager
+def pinned_reader(backend, keys):
+    """A process on node 1 that pins `keys` and verifies them until the block ends.
+
+    Yields the process; its exit code is 0 only if every check passed.
+    """
     q_ready, q_stop = _CTX.Queue(), _CTX.Queue()
     reader = _CTX.Process(target=_verify_pinned, args=(backend.spec(), 1, keys, q_ready, q_stop))
     reader.start()
     try:
         q_ready.get(timeout=60)
-        stored = raise_failures(run_procs(_fill, [(backend.spec(), 2, 1, 30),
-                                                  (backend.spec(), 0, 2, 30)]))
-        assert sum(stored) > 16  # the cache turned over several times around the pins
-        st = c.stats()
-        assert st["evictions"] >= sum(stored) - 12
-        with c.lookup(keys) as hit:
-            assert len(hit) == 4  # still there: pinned all along
+        yield reader
     finally:
         q_stop.put(1)
         reader.join(60)
+
+
+def test_eviction_never_frees_a_pinned_block(backend):
+    r, c, keys = filled(backend, nodes=3, capacity=16, blocks=4)
+    with pinned_reader(backend, keys) as reader:
+        stored = raise_failures(run_procs(_fill, [(backend.spec(), 2, 1, 30),
+                                                  (backend.spec(), 0, 2, 30)]))
+        assert sum(stored) > 16  # the cache turned over several times around the pins
+        assert c.stats()["evictions"] >= sum(stored) - 12
+        with c.lookup(keys) as hit:
+            assert len(hit) == 4  # still there: pinned all along
     assert reader.exitcode == 0, "the reader saw a pinned block change (see its traceback)"
     with c.lookup(keys) as hit:
         assert len(hit) == 4
@@ -258,21 +280,11 @@ def test_eviction_never_frees_a_pinned_block(backend):
 
 def test_an_evictor_that_ignores_pins_is_caught(backend):
     """The broken protocol: evict without reading pins. The pinned reader must notice."""
-    r = backend.create(nodes=3)
-    c = open_cache(r, capacity_blocks=16)
-    keys = c.block_hashes(chain(0, 4))
-    c.store(keys, [block_for(k) for k in keys])
-    q_ready, q_stop = _CTX.Queue(), _CTX.Queue()
-    reader = _CTX.Process(target=_verify_pinned, args=(backend.spec(), 1, keys, q_ready, q_stop))
-    reader.start()
-    try:
-        q_ready.get(timeout=60)
+    r, c, keys = filled(backend, nodes=3, capacity=16, blocks=4)
+    with pinned_reader(backend, keys) as reader:
         # node 0 allocated the pinned payloads, so its frees make them reusable at once
         raise_failures(run_procs(_fill, [(backend.spec(), 0, 1, 30, True)]))
         time.sleep(0.05)  # the reader polls every 2 ms
-    finally:
-        q_stop.put(1)
-        reader.join(60)
     assert reader.exitcode != 0, "a pinned block was evicted and reused, and no reader noticed"
     r.close()
 
@@ -304,10 +316,7 @@ def test_lru_evicts_the_least_recently_used_unpinned_block(backend):
 
 
 def test_a_full_cache_of_pinned_blocks_stores_nothing_and_says_so(backend):
-    r = backend.create(nodes=1)
-    c = open_cache(r, capacity_blocks=8)
-    keys = c.block_hashes(chain(0, 8))
-    c.store(keys, [block_for(k) for k in keys])
+    r, c, keys = filled(backend, nodes=1)
     more = c.block_hashes(chain(1, 4))
     with c.lookup(keys) as hit:
         assert len(hit) == 8
@@ -499,16 +508,13 @@ def _pin_and_die(spec, node, keys):
 
 
 def test_pins_of_a_dead_process_are_given_back_by_its_node(backend):
-    r = backend.create(nodes=2)
-    c = open_cache(r, capacity_blocks=8)
-    keys = c.block_hashes(chain(0, 8))
-    c.store(keys, [block_for(k) for k in keys])
+    r, c, keys = filled(backend, nodes=2)
     p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 1, keys))
     p.start()
     p.join(60)
     assert p.exitcode == 0
-    more = c.block_hashes(chain(1, 2))
-    assert c.store(more, [block_for(k) for k in more]) == []  # node 1's pins hold them all
+    more, stored = store_new(c, 1)
+    assert stored == []  # node 1's pins hold them all
     b = backend.open(1)
     cb = open_cache(b, capacity_blocks=8)  # node 1 attaches again: it heals its own pins
     assert cb.recover() == 0  # ... already done when it attached
@@ -518,30 +524,24 @@ def test_pins_of_a_dead_process_are_given_back_by_its_node(backend):
 
 
 def test_eviction_recovers_pins_of_its_own_nodes_dead_process(backend):
-    r = backend.create(nodes=1)
-    c = open_cache(r, capacity_blocks=8)
-    keys = c.block_hashes(chain(0, 8))
-    c.store(keys, [block_for(k) for k in keys])
+    r, c, keys = filled(backend, nodes=1)
     p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 0, keys))
     p.start()
     p.join(60)
-    more = c.block_hashes(chain(1, 2))
-    assert c.store(more, [block_for(k) for k in more]) == more  # found nothing, healed, evicted
+    more, stored = store_new(c, 1)
+    assert stored == more  # found nothing, healed, evicted
     r.close()
 
 
 def test_a_forked_child_cannot_release_its_parents_pins(backend):
-    r = backend.create(nodes=1)
-    c = open_cache(r, capacity_blocks=8)
-    keys = c.block_hashes(chain(0, 8))
-    c.store(keys, [block_for(k) for k in keys])
+    r, c, keys = filled(backend, nodes=1)
     hit = c.lookup(keys)
     p = _CTX.Process(target=hit.release)  # the child's release only forgets the pins
     p.start()
     p.join(60)
     assert p.exitcode == 0
-    more = c.block_hashes(chain(1, 2))
-    assert c.store(more, [block_for(k) for k in more]) == []  # still pinned by us
+    more, stored = store_new(c, 1)
+    assert stored == []  # still pinned by us
     hit.release()
     assert c.store(more, [block_for(k) for k in more]) == more
     r.close()
@@ -549,10 +549,7 @@ def test_a_forked_child_cannot_release_its_parents_pins(backend):
 
 def test_a_node_that_lost_its_pin_table_starts_with_no_pins(backend):
     """A host that lost /dev/shm (reboot) must not leave its old pins in the region."""
-    r = backend.create(nodes=2)
-    c = open_cache(r, capacity_blocks=8)
-    keys = c.block_hashes(chain(0, 8))
-    c.store(keys, [block_for(k) for k in keys])
+    r, c, keys = filled(backend, nodes=2)
     p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 1, keys))
     p.start()
     p.join(60)
@@ -560,8 +557,8 @@ def test_a_node_that_lost_its_pin_table_starts_with_no_pins(backend):
     tables = [f for f in os.listdir(local_dir()) if f.endswith(".pins") and "-node1-" in f]
     assert len(tables) == 1
     os.unlink(os.path.join(local_dir(), tables[0]))
-    more = c.block_hashes(chain(1, 2))
-    assert c.store(more, [block_for(k) for k in more]) == []  # node 1's old pins
+    more, stored = store_new(c, 1)
+    assert stored == []  # node 1's old pins
     b = backend.open(1)
     open_cache(b, capacity_blocks=8)  # a new table: node 1 clears its pins in the region
     assert c.store(more, [block_for(k) for k in more]) == more

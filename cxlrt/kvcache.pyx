@@ -531,7 +531,7 @@ cdef class KVCache:
     def _claim_record(self):
         """Give this process a record of the pin table (first pin after start or fork)."""
         cdef int k, rc
-        pid = os.getpid()
+        pid = cxl_pid()
         with nogil:
             rc = self._enter_pins()
         if rc != 0:
@@ -658,11 +658,12 @@ cdef class KVCache:
         self._need_open()
         cdef tuple ks = tuple(_keys(keys))
         cdef uint64_t n = len(ks), m = 0, j
-        if self._rec < 0 or self._rec_pid != os.getpid():
+        cdef int pid = cxl_pid()  # cached, reset at fork: getpid() is a system call
+        if self._rec < 0 or self._rec_pid != pid:
             self._claim_record()
         cdef Hit hit = Hit.__new__(Hit)
         hit.cache = self
-        hit.owner_pid = os.getpid()
+        hit.owner_pid = pid
         hit._alloc(n)
         for j in range(n):
             hit.keyp[j] = PyBytes_AS_STRING(ks[j])  # ks outlives the Hit: hit.keys keeps it

@@ -119,8 +119,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cxlrt import demo
     given = {k: v for k, v in vars(args).items() if k in DEMO_OPTIONS and v is not None}
     cfg = demo.DemoConfig.quick(**given) if args.quick else demo.DemoConfig(**given)
-    report = demo.run(cfg, show=not args.json,
-                      out=(lambda *a: None) if args.json else print)
+    try:
+        report = demo.run(cfg, show=not args.json,
+                          out=(lambda *a: None) if args.json else print)
+    except KeyboardInterrupt:
+        print("\ncxlrt demo: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, ConnectionError) as e:  # a worker failed or stalled
+        print(f"cxlrt demo: failed: {e}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
@@ -147,8 +154,10 @@ Each worker is a separate process attached as its own node of an emulated rack
 Reports per turn and overall, per mode: prefix hit rate, KV bytes moved, time to
 first token (issue -> first token at decode; mean and p99), the TTFT ratios of
 (c) to (a) and (b), and whether every generated token equals a monolithic run
-of the same model (whole prompt in one prefill, then greedy decode). Exit status
-0 when all modes match it, 1 when one does not, 2 on bad input.
+of the same model (whole prompt in one prefill, then greedy decode), with each
+first token's logits within 1e-3 of it (the same KV, not just the same argmax).
+Exit status 0 when all modes match it, 1 when one does not, 2 on bad input, 3
+when a worker fails or stalls, 130 when interrupted.
 """
 
 

@@ -296,7 +296,8 @@ def run(cfg: DemoConfig | None = None, *, show: bool = True,
         cache = _cache_stats(plan) if "cxlrt" in cfg.modes else None
     summary = report.summarize(runs, ref, cfg.turns)
     equal = {mode: s["tokens_equal"] for mode, s in summary["modes"].items()}
-    ok = all(equal.values())
+    close = {mode: s["logits_match"] for mode, s in summary["modes"].items()}
+    ok = all(equal.values()) and all(close.values())
     out(f"wall time: monolithic reference {t_ref:.1f} s ({total} requests), "
         + ", ".join(f"{report.LABELS[k]} {r.wall_s:.1f} s" for k, r in runs.items()))
     out("")
@@ -307,8 +308,11 @@ def run(cfg: DemoConfig | None = None, *, show: bool = True,
         out(line)
     out("tokens equal to the monolithic run: "
         + ", ".join(f"{report.LABELS[k]} {'yes' if v else 'NO'}" for k, v in equal.items()))
-    out("result: " + ("every mode generated exactly the monolithic run's tokens" if ok
-                      else "MISMATCH: a mode generated tokens that differ (see above)"))
+    out(f"first-token logits within {report.LOGITS_TOL:g} of the monolithic run: "
+        + ", ".join(f"{report.LABELS[k]} {'yes' if close[k] else 'NO'} (max diff "
+                    f"{summary['modes'][k]['overall']['logits_max_diff']:.1e})" for k in close))
+    out("result: " + ("every mode generated exactly the monolithic run's tokens from the same "
+                      "KV" if ok else "MISMATCH: a mode's tokens or logits differ (see above)"))
     model = dataclasses.asdict(plan.model)
     model.update(block_tokens=plan.block_tokens, block_bytes=plan.block_bytes, dtype="float32")
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}

@@ -138,6 +138,7 @@ def test_every_mode_generates_the_monolithic_tokens(quick):
     for mode in ("nocache", "tcp", "cxlrt"):
         m = report["modes"][mode]
         assert m["tokens_equal"] is True
+        assert m["logits_match"] is True and m["overall"]["logits_max_diff"] < 1e-4
         assert all(t["tokens_equal"] for t in m["turns"])
     assert any(line.startswith("tokens equal to the monolithic run:") and line.count("yes") == 3
                for line in lines)
@@ -163,7 +164,7 @@ def test_cxlrt_mode_moves_its_kv_through_cxlrt(quick):
     kv, cache = c["kv_bytes"], report["cache"]
     assert c["decode_recomputed_blocks"] == 0
     assert kv["decode_loaded_bytes"] == c["blocks"] * bb
-    assert kv["prefill_loaded_bytes"] == c["hit_blocks"] * bb
+    assert 0 < kv["prefill_loaded_bytes"] <= c["hit_blocks"] * bb  # only prefixes it extends
     assert kv["stored_bytes"] == c["computed_blocks"] * bb > 0
     assert c["kv_bytes_moved"] == sum(kv.values())
     assert cache["bytes_stored"] == kv["stored_bytes"]
@@ -213,7 +214,7 @@ def test_a_mismatch_is_reported_and_fails(monkeypatch):
 
     def wrong(*args, **kw):
         ref = real(*args, **kw)
-        ref[1][1][0] = (ref[1][1][0] + 1) % 512
+        ref.tokens[1][1][0] = (ref.tokens[1][1][0] + 1) % 512
         return ref
 
     monkeypatch.setattr(scheduler, "reference", wrong)
@@ -235,3 +236,68 @@ def test_a_mismatch_is_reported_and_fails(monkeypatch):
 def test_bad_config_is_a_clear_error(kw, msg):
     with pytest.raises(ValueError, match=msg):
         demo.DemoConfig(**kw)
+
+
+class _WrongBlockCache:
+    """A decode node's view of the cache that loads wrong KV (the demo must notice)."""
+
+    def __init__(self, cache, block_tokens, how):
+        self._cache, self._bt, self._how = cache, block_tokens, how
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def load(self, hit, out, **kw):
+        self._cache.load(hit, out, **kw)
+        bt, n = self._bt, len(hit)
+        if self._how == "swapped" and n > 1:  # block 1 gets block 0's KV
+            out[bt:2 * bt] = out[:bt]
+        elif self._how == "scaled" and n > 2:  # the middle block, off by a factor
+            m = n // 2
+            out[m * bt:(m + 1) * bt] *= 0.5
+        elif self._how == "one-value" and n:  # one number of the last block's V
+            out[n * bt - 1].view(-1)[-1] += 1.0
+        return out
+
+
+@pytest.mark.parametrize("how", ["swapped", "scaled", "one-value"])
+def test_wrong_kv_at_decode_changes_the_tokens(monkeypatch, how):
+    """The token check is a real check: one wrong KV block must make the tokens differ."""
+    from cxlrt.serving import workers
+    real = workers._attach
+
+    def attach(plan, node):
+        region, cache = real(plan, node)
+        if node >= plan.decode_node(0):
+            cache = _WrongBlockCache(cache, plan.block_tokens, how)
+        return region, cache
+
+    monkeypatch.setattr(workers, "_attach", attach)
+    lines: list[str] = []
+    report = demo.run(demo.DemoConfig.quick(modes=("cxlrt",)), show=False, out=lines.append)
+    c = report["modes"]["cxlrt"]
+    assert report["ok"] is False
+    assert c["logits_match"] is False and c["overall"]["logits_max_diff"] > 1e-3
+    if how != "one-value":  # a whole wrong block also changes greedy tokens here
+        assert c["tokens_equal"] is False
+    assert any("MISMATCH" in line for line in lines)
+
+
+def test_a_failing_worker_stops_the_demo_cleanly(monkeypatch, capsys):
+    """A worker that crashes: one error line, exit status 3, no process or file left."""
+    import multiprocessing as mp
+
+    from cxlrt import cli
+    from cxlrt.serving import workers
+
+    def broken(who, results, plan, d):
+        raise RuntimeError("decode worker broke on purpose")
+
+    monkeypatch.setattr(workers, "decode_cxlrt", broken)
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert cli.main(["demo", "--quick"]) == 3
+    err = capsys.readouterr().err
+    assert "failed" in err and "broke on purpose" in err
+    assert mp.active_children() == []
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {f for f in after - before if f.startswith("cxlrt-demo")}

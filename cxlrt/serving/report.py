@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from cxlrt.serving.scheduler import ModeRun, RequestResult
+    from cxlrt.serving.scheduler import ModeRun, Reference, RequestResult
 
 LABELS = {"nocache": "(a) no cache", "tcp": "(b) TCP", "cxlrt": "(c) cxlrt"}
 _MOVED = {"nocache": (), "tcp": ("sent_bytes",),
@@ -43,8 +43,20 @@ def _sum(rs: Iterable[RequestResult], key: str) -> float:
     return sum(r.info.get(key, 0) for r in rs)
 
 
-def _stats(mode: str, rs: list[RequestResult], ref: list[list[list[int]]]) -> dict[str, Any]:
+LOGITS_TOL = 1e-3
+"""Largest first-token logit difference from the monolithic run that still counts as the
+same KV: prefill in pieces differs from prefill at once by about 1e-5 in float32, while a
+wrong block moves the logits by far more (and may or may not change a greedy token)."""
+
+
+def _logits_diff(rs: list[RequestResult], ref: Reference) -> float:
+    return max((float(np.abs(r.first_logits - ref.logits[r.conv][r.turn]).max()) for r in rs),
+               default=0.0)
+
+
+def _stats(mode: str, rs: list[RequestResult], ref: Reference) -> dict[str, Any]:
     ttft = np.array([r.ttft_s for r in rs])
+    diff = _logits_diff(rs, ref)
     blocks = _sum(rs, "blocks")
     out: dict[str, Any] = {
         "requests": len(rs),
@@ -54,7 +66,9 @@ def _stats(mode: str, rs: list[RequestResult], ref: list[list[list[int]]]) -> di
         "kv_bytes_moved": sum(_sum(rs, k) for k in _MOVED[mode]),
         "ttft_mean_s": float(ttft.mean()),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "tokens_equal": all(r.tokens == ref[r.conv][r.turn] for r in rs),
+        "tokens_equal": all(r.tokens == ref.tokens[r.conv][r.turn] for r in rs),
+        "logits_max_diff": diff,
+        "logits_match": diff <= LOGITS_TOL,
         "prefill_s_mean": _sum(rs, "prefill_s") / len(rs) if mode != "nocache" else None,
         "to_first_token_s_mean": _sum(rs, "to_first_token_s") / len(rs),
     }
@@ -73,7 +87,7 @@ def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
             "ttft_p99": a["ttft_p99_s"] / b["ttft_p99_s"]}
 
 
-def summarize(runs: dict[str, ModeRun], ref: list[list[list[int]]], turns: int) -> dict[str, Any]:
+def summarize(runs: dict[str, ModeRun], ref: Reference, turns: int) -> dict[str, Any]:
     """Per mode: ``overall``, ``turns`` (a list, turn 1 first) and the run's facts;
     plus ``ratios`` of cxlrt to each other mode, overall and per turn."""
     modes: dict[str, Any] = {}
@@ -88,6 +102,7 @@ def summarize(runs: dict[str, ModeRun], ref: list[list[list[int]]], turns: int) 
             "workers": run.workers,
         }
         modes[mode]["tokens_equal"] = modes[mode]["overall"]["tokens_equal"]
+        modes[mode]["logits_match"] = modes[mode]["overall"]["logits_match"]
     ratios: dict[str, Any] = {}
     if "cxlrt" in modes:
         c = modes["cxlrt"]
@@ -116,6 +131,12 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
 
 
+def _verdict(s: dict[str, Any]) -> str:
+    if not s["tokens_equal"]:
+        return "DIFFER"
+    return "equal" if s["logits_match"] else "LOGITS DIFFER"
+
+
 def table(summary: dict[str, Any]) -> list[str]:
     """The report as lines: one row per (turn, mode), then the overall rows."""
     modes, ratios = summary["modes"], summary["ratios"]
@@ -133,7 +154,7 @@ def table(summary: dict[str, Any]) -> list[str]:
                          f"{(r if t is None else r['turns'][t])['ttft_mean']:.2f}x")
         return (f"{label:>4}  {LABELS[mode]:<13}{hit:>10}  {human_bytes(s['kv_bytes_moved']):>10}  "
                 f"{_ms(s['ttft_mean_s']):>9}  {_ms(s['ttft_p99_s']):>9}  {cells[0]:>7}  "
-                f"{cells[1]:>7}  {'equal' if s['tokens_equal'] else 'DIFFER'}")
+                f"{cells[1]:>7}  {_verdict(s)}")
 
     for t in range(n_turns):
         for mode, m in modes.items():

@@ -45,6 +45,7 @@ class RequestResult:
     ttft_s: float
     tokens: list[int]
     info: dict[str, int] = field(default_factory=dict)
+    first_logits: Any = None  # logits of the first token, as decode computed them
 
 
 @dataclass
@@ -110,14 +111,23 @@ class _Workers:
                 p.join()
 
 
+@dataclass
+class Reference:
+    """The monolithic run: ``tokens[conversation][turn]`` and the logits of each first token."""
+
+    tokens: list[list[list[int]]]
+    logits: list[list[Any]]
+
+
 def reference(model_cfg: Any, wl: Workload, processes: int,
-              progress: Callable[[int], None] = lambda n: None) -> list[list[list[int]]]:
-    """The monolithic run's answers, ``[conversation][turn] -> tokens``.
+              progress: Callable[[int], None] = lambda n: None) -> Reference:
+    """The monolithic run's answers and first-token logits, by conversation and turn.
 
     Conversations are split over ``processes`` processes (nothing else runs meanwhile).
     """
     c, t = wl.cfg.conversations, wl.cfg.turns
     answers: list[list[list[int]]] = [[[] for _ in range(t)] for _ in range(c)]
+    logits: list[list[Any]] = [[None] * t for _ in range(c)]
     w = _Workers()
     n = max(1, min(processes, c))
     done = stopped = 0
@@ -131,13 +141,14 @@ def reference(model_cfg: Any, wl: Workload, processes: int,
                 stopped += 1
             elif msg[0] == "ref":
                 answers[msg[1]][msg[2]] = msg[3]
+                logits[msg[1]][msg[2]] = msg[4]
                 done += 1
                 progress(done)
             else:
                 raise RuntimeError(f"unexpected message from a reference worker: {msg[:2]}")
     finally:
         w.close(graceful=stopped == n)
-    return answers
+    return Reference(answers, logits)
 
 
 class Cluster:
@@ -166,10 +177,12 @@ class Cluster:
         try:
             if mode == "nocache":
                 self.targets = plan.prefill + plan.decode
-                self._inboxes = [_CTX.Queue() for _ in range(self.targets)]
-                for i, q in enumerate(self._inboxes):
-                    self._w.add(f"worker {i}", workers.colocated, plan, q)
-                self._stoppers = list(self._inboxes)
+                # Shared, as the prefill workers' queue below: a free worker takes the
+                # next request, so no mode is dealt a worse dispatch than another.
+                self._inboxes = [_CTX.Queue()]
+                for i in range(self.targets):
+                    self._w.add(f"worker {i}", workers.colocated, plan, self._inboxes[0])
+                self._stoppers = self._inboxes * self.targets
             else:
                 self.targets = plan.decode
                 self._inboxes = [_CTX.Queue()]  # shared: a free prefill worker takes the next
@@ -202,7 +215,7 @@ class Cluster:
     def submit(self, req: Request) -> float:
         """Hand ``req`` out (``req.target`` picks the decode worker); returns its issue time."""
         t = time.monotonic()
-        self._inboxes[req.target if self.mode == "nocache" else 0].put(req)
+        self._inboxes[0].put(req)
         return t
 
     def next_done(self) -> tuple[int, float, list[int], dict[str, Any]]:
@@ -283,8 +296,10 @@ def serve(mode: str, plan: Plan, wl: Workload,
         while len(results) < cfg.requests:
             rid, t_first, tokens, info = cluster.next_done()
             req, t_issue = issued[rid]
+            info = dict(info)
+            first_logits = info.pop("first_logits")
             results.append(RequestResult(rid, req.conv, req.turn, len(req.tokens),
-                                         t_first - t_issue, tokens, dict(info)))
+                                         t_first - t_issue, tokens, info, first_logits))
             answers[req.conv].append(tokens)
             if req.turn + 1 < cfg.turns:
                 issue(req.conv, req.turn + 1)

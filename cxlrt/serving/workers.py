@@ -28,8 +28,10 @@ first one), ``stats`` at exit, or ``error`` with a traceback.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import selectors
+import signal
 import socket
 import time
 import traceback
@@ -57,7 +59,7 @@ class Request:
     turn: int
     tokens: list[int]
     n_new: int
-    target: int  # decode (or colocated) worker that generates the answer
+    target: int  # decode worker that generates the answer (modes b and c)
 
 
 @dataclass
@@ -86,8 +88,24 @@ class _Active:
     out: list[int]
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel to kill this worker when the demo dies (SIGKILL, OOM, timeout):
+    a worker outliving it would poll its channels, and hold the region, forever."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def entry(fn: Callable[..., None], who: str, results: Any, *args: Any) -> None:
-    """Process target: one torch thread, and any failure reported with its traceback."""
+    """Process target: one torch thread, and any failure reported with its traceback.
+
+    Ctrl-C reaches the whole process group; the parent stops the workers, so they
+    ignore it rather than each printing a traceback.
+    """
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
         fn(who, results, *args)
@@ -139,6 +157,7 @@ def _serve(model: TinyLM, poll: Callable[[bool], _Job | None], finished: Callabl
             out = [int(torch.argmax(logits))]
             t_first = time.monotonic()
             job.info["to_first_token_s"] = t_first - job.t_arrive
+            job.info["first_logits"] = logits.numpy().copy()  # checked against the reference
             r = _Active(job.rid, job.kv, n, job.n_new, t_first, job.info, out)
             if r.n_new > 1:
                 active.append(r)
@@ -310,7 +329,8 @@ def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> 
         kv = model.new_kv(ready)
         with cache.lookup(keys) as hit:
             n_hit = len(hit)
-            if n_hit:
+            loaded = n_hit < n_blocks and n_hit > 0  # the prefix is needed only to go on
+            if loaded:
                 cache.load(hit, kv[:n_hit * bt])
         if n_hit < n_blocks:
             model.prefill(req.tokens[n_hit * bt:ready], kv, n_hit * bt)
@@ -319,7 +339,7 @@ def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> 
         channels[req.target].send(handoff.encode(h))
         results.put(("prefill", req.rid, {
             "blocks": n_blocks, "hit_blocks": n_hit, "computed_blocks": n_blocks - n_hit,
-            "stored_blocks": len(stored), "prefill_loaded_bytes": n_hit * bb,
+            "stored_blocks": len(stored), "prefill_loaded_bytes": n_hit * bb if loaded else 0,
             "stored_bytes": len(stored) * bb, "prefill_s": time.monotonic() - t0}))
     for ch in channels:
         ch.send(handoff.encode(handoff.stop()))
@@ -340,7 +360,10 @@ def reference(who: str, results: Any, model_cfg: ModelConfig, workload: Any,
     for c in convs:
         answers: list[list[int]] = []
         for t in range(workload.cfg.turns):
-            out = model.generate(workload.prompt(c, t, answers), workload.cfg.new_tokens)
+            prompt = workload.prompt(c, t, answers)
+            kv = model.new_kv(len(prompt) + workload.cfg.new_tokens)
+            logits = model.prefill(prompt, kv, 0)
+            out = model.decode(logits, kv, len(prompt), workload.cfg.new_tokens)
             answers.append(out)
-            results.put(("ref", c, t, out))
+            results.put(("ref", c, t, out, logits.numpy().copy()))
     results.put(("stats", who, {}))

@@ -54,6 +54,7 @@ MODULES = [
     ("cxlrt.lock", "cxlrt/lock.pyx"),
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
+    ("cxlrt.kvpins", "cxlrt/kvpins.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),

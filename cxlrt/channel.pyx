@@ -211,10 +211,18 @@ cdef int cxl_chan_take(cxl_chan* C, char* out) noexcept nogil:
     return rc
 
 
-cdef int cxl_chan_release(cxl_chan* C, uint64_t line) noexcept nogil:
-    """Clear the owner words of our role's line and publish them (we are its writer)."""
-    cdef int rc = 0
-    cdef uint64_t i
+cdef int cxl_chan_release(cxl_chan* C, uint64_t line, uint32_t node, uint64_t pid) noexcept nogil:
+    """Clear the owner words of our role's line and publish them, if they still name
+    us (node, pid): a process that took the role over, having judged us dead, is the
+    line's writer now, and a line has one writer."""
+    cdef int rc = cxl_flush(C.r, line, 64)
+    cdef uint64_t i, owner = 0, opid = 0
+    if rc == 0:
+        rc = cxl_load64(C.r, line + 8, &owner)
+    if rc == 0:
+        rc = cxl_load64(C.r, line + 16, &opid)
+    if rc != 0 or owner != node + 1 or opid != pid:
+        return rc
     for i in range(1, 5):
         if rc == 0:
             rc = cxl_store64(C.r, line + i * 8, 0)
@@ -490,9 +498,12 @@ cdef class Channel:
     cdef _release(self, str role):
         """Let go of `role` if this process holds it through us."""
         cdef uint64_t line = self.C.prod if role == "producer" else self.C.cons
+        cdef uint32_t node = self.region.node
+        cdef uint64_t pid = os.getpid()
         cdef int rc
-        with nogil:
-            rc = cxl_chan_release(&self.C, line)
+        with self.region.lock(LOCK_NAME):  # no claim may run between our check and write
+            with nogil:
+                rc = cxl_chan_release(&self.C, line, node, pid)
         if role == "producer":
             self._prod_pid = 0
         else:
@@ -694,6 +705,15 @@ cdef class Channel:
         self._closed = True
         if self.region.closed:
             return
+        # Another thread blocked in send()/recv() sees _closed within one 50 ms slice
+        # and leaves; give the role up only after it has (else it could publish a
+        # counter on a line a new owner writes).
+        deadline = time.monotonic() + 5
+        while (self._in_send or self._in_recv) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self._in_send or self._in_recv:
+            raise RuntimeError(f"channel {self.name!r}: close() waited 5 s for a send() or "
+                               "recv() of another thread to return; roles kept")
         if self._prod_pid == pid:
             rc = self._release("producer")
         if self._cons_pid == pid:
@@ -708,9 +728,9 @@ cdef class Channel:
         if self._closed or self.region is None:
             return
         if self._prod_pid == pid:
-            cxl_chan_release(&self.C, self.C.prod)
+            cxl_chan_release(&self.C, self.C.prod, self.region.node, <uint64_t>pid)
         if self._cons_pid == pid:
-            cxl_chan_release(&self.C, self.C.cons)
+            cxl_chan_release(&self.C, self.C.cons, self.region.node, <uint64_t>pid)
 
     def __enter__(self):
         return self

@@ -31,10 +31,7 @@ cdef enum:
     KV_EVICTING = 4
     KV_HEADER = 192            # three lines before the entries
     KV_PAYLOAD_HDR = 64        # payload header ahead of the block bytes
-    KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
     CXLRT_E_KVCORRUPT = -1030  # an entry or payload header that cannot be right
-    CXLRT_E_KVPINS = -1031     # this node holds KV_PIN_MAX pins on one slot
-    CXLRT_E_KVNOREC = -1032    # this process has no record in the node-local pin table yet
 
 
 ctypedef struct kv_entry:

@@ -2,7 +2,7 @@
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
 # blocks. Layout and invariants: kvcache.pxd.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -10,53 +10,25 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_check_range,
                             cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
                             cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64)
 from cxlrt.includes.intrin cimport cxl_backoff, cxl_pid, cxl_wall_ns
-from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_lockctx, cxl_node_dead
-from cxlrt.mapping cimport Mapping
+from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
+from cxlrt.lock cimport cxl_lockctx, cxl_node_dead
 from cxlrt.region cimport Region
 
 
-import fcntl
 import hashlib
 import os
 
 from cxlrt.errors import OutOfMemory, RegionError
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
+from cxlrt.kvpins import process_alive
 
 cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01"
 cdef uint64_t PMAGIC = 0x31304256_4B4C5843  # "CXLKVB01"
 cdef uint32_t VERSION = 1
 cdef uint64_t STATS_WORDS = 8
-cdef uint64_t PROC_MAGIC = 0x31305050_4B4C5843  # "CXLKPP01"
-cdef uint64_t PROC_HDR = 64
-cdef int PROC_RECORDS = 64                     # processes of one node pinning at once
 
 
-def _process_start(pid):
-    """Start time of a process (clock ticks after boot), or 0 when unknown.
 
-    With the pid it names one process: a container restarted under the same pid
-    has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _process_alive(pid, start):
-    """False only when the process is certainly gone (or its pid was reused)."""
-    if pid > 0x7fffffff:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    now = _process_start(pid)
-    return not (start and now and now != start)
 DIR_PREFIX = "kv/"  # directory names of KV caches
 STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
@@ -131,10 +103,7 @@ cdef class KVCache:
     cdef uint32_t _node
     cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
     cdef bint _closed
-    cdef Mapping _procs_map              # node-local pin table (see _record)
-    cdef char* _procs
-    cdef uint64_t _rec_stride
-    cdef int _rec, _rec_pid              # our record, and the pid that claimed it
+    cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
 
     def __init__(self, Region region not None, str name not None, *, block_bytes=None,
@@ -169,8 +138,11 @@ cdef class KVCache:
         from cxlrt.lock import _ctx_address
         self.L = <cxl_lockctx*><size_t>_ctx_address(region.locks)
         self._attach(name, create, block_bytes, capacity_blocks)
-        self._map_procs()
-        self.recover()  # a restarted worker heals what its dead predecessor pinned
+        from cxlrt.nodelocal import local_dir
+        path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self._node}"
+                                         f"-kv{self.offset:x}.pins")
+        self._pt = PinTable(region, <size_t>self.L, self._pin_lock, self._pins, self.slots, path)
+        self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
 
     def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
         self.block_bytes = block_bytes
@@ -381,135 +353,6 @@ cdef class KVCache:
                 return 1
         return 0
 
-    cdef inline uint64_t _pin_at(self, uint64_t node, uint64_t s) noexcept nogil:
-        return self._pins + (node * self.slots + s) * 8
-
-    cdef int _pin_add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
-        """Add `delta` to our node's pin on each slot and publish (pin mutex held).
-
-        Each pin is also counted in this process's record of the node-local pin
-        table, so the node's other processes can give back the pins of one that
-        died. The shared word is raised before the record and lowered after it:
-        a crash in between can only leave a pin too many (the block stays), never
-        one too few (a block freed under a reader).
-        """
-        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
-        cdef uint16_t* mine
-        cdef int rc = 0
-        if self._rec < 0 or self._rec_pid != cxl_pid():
-            return CXLRT_E_KVNOREC
-        mine = self._record(self._rec)
-        for i in range(n):
-            if delta < 0:
-                if mine[slots[i]] == 0:
-                    continue  # not ours to give back (a Hit of another process)
-                mine[slots[i]] -= 1
-            at = self._pin_at(self._node, slots[i])
-            rc = cxl_load64(self.r, at, &w)
-            if rc != 0:
-                break
-            cnt = w & KV_PIN_MAX
-            if delta > 0:
-                if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
-                    rc = CXLRT_E_KVPINS
-                    break
-                cnt += 1
-            elif cnt > 0:
-                cnt -= 1
-            rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
-            if rc == 0:
-                rc = cxl_flush_nodrain(self.r, at, 8)
-            if rc != 0:
-                break
-            if delta > 0:
-                mine[slots[i]] += 1
-        if rc != 0 and delta > 0 and i > 0:
-            self._pin_add(slots, i, -1)  # all or nothing: a failed lookup holds no pins
-        if rc != 0:
-            return rc
-        return cxl_fence(self.r)
-
-    cdef int _enter_pins(self) noexcept nogil:
-        """Take the node's pin mutex; if its last holder died mid-update, rebuild
-        our node's pin words from the records (the truth for live processes)."""
-        cdef int rc = cxl_local_enter(self.L, self._pin_lock)
-        if rc == 1:
-            rc = self._rebuild_pins()
-            if rc != 0:
-                cxl_local_exit(self.L, self._pin_lock)
-        return rc
-
-    cdef int _rebuild_pins(self) noexcept nogil:
-        cdef uint64_t s, w, at, total
-        cdef int k, rc
-        for s in range(self.slots):
-            total = 0
-            for k in range(PROC_RECORDS):
-                if self._record_head(k)[0] != 0:
-                    total += self._record(k)[s]
-            at = self._pin_at(self._node, s)
-            rc = cxl_load64(self.r, at, &w)
-            if rc == 0 and (w & KV_PIN_MAX) != min(total, KV_PIN_MAX):
-                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | min(total, KV_PIN_MAX))
-                if rc == 0:
-                    rc = cxl_flush_nodrain(self.r, at, 8)
-            if rc != 0:
-                return rc
-        return cxl_fence(self.r)
-
-    # --- the node-local pin table ---------------------------------------------------------
-    # One record per process that pins: its pid and start time, then a 16-bit count
-    # per slot. It lives in a host file next to the node-local lock file, so it never
-    # crosses hosts; every process of a node must share that folder and pid namespace.
-
-    cdef inline uint16_t* _record(self, int k) noexcept nogil:
-        return <uint16_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride + 64)
-
-    cdef inline uint64_t* _record_head(self, int k) noexcept nogil:
-        """[pid, start time] of record k; pid 0 = free."""
-        return <uint64_t*>(self._procs + PROC_HDR + <uint64_t>k * self._rec_stride)
-
-    cdef int _release_record(self, int k) noexcept nogil:
-        """Give back every pin of record k and free it (pin mutex held)."""
-        cdef uint64_t s, w, at, cnt
-        cdef uint16_t* c = self._record(k)
-        cdef int rc
-        for s in range(self.slots):
-            if c[s] == 0:
-                continue
-            at = self._pin_at(self._node, s)
-            rc = cxl_load64(self.r, at, &w)
-            if rc != 0:
-                return rc
-            cnt = w & KV_PIN_MAX
-            cnt = cnt - c[s] if cnt > c[s] else 0
-            c[s] = 0
-            rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
-            if rc == 0:
-                rc = cxl_flush_nodrain(self.r, at, 8)
-            if rc != 0:
-                return rc
-        self._record_head(k)[0] = 0
-        self._record_head(k)[1] = 0
-        return cxl_fence(self.r)
-
-    def _recover_locked(self):
-        """Release the records of dead processes (pin mutex held); pins given back."""
-        cdef int k, rc
-        cdef uint64_t s
-        freed = 0
-        for k in range(PROC_RECORDS):
-            pid, start = self._record_head(k)[0], self._record_head(k)[1]
-            if pid == 0 or _process_alive(pid, start):
-                continue
-            for s in range(self.slots):
-                freed += self._record(k)[s]
-            with nogil:
-                rc = self._release_record(k)
-            if rc != 0:
-                self._raise(rc, "recover")
-        return freed
-
     def recover(self):
         """Give back pins held by this node's dead processes; returns how many.
 
@@ -518,81 +361,7 @@ cdef class KVCache:
         each node heals its own.
         """
         self._need_open()
-        cdef int rc
-        with nogil:
-            rc = self._enter_pins()
-        if rc != 0:
-            self._raise(rc, "recover")
-        try:
-            return self._recover_locked()
-        finally:
-            cxl_local_exit(self.L, self._pin_lock)
-
-    def _claim_record(self):
-        """Give this process a record of the pin table (first pin after start or fork)."""
-        cdef int k, rc
-        pid = cxl_pid()
-        with nogil:
-            rc = self._enter_pins()
-        if rc != 0:
-            self._raise(rc, "pin")
-        try:
-            self._recover_locked()
-            for k in range(PROC_RECORDS):
-                if self._record_head(k)[0] == 0:
-                    memset(self._record(k), 0, self.slots * 2)
-                    self._record_head(k)[1] = _process_start(pid)
-                    self._record_head(k)[0] = pid
-                    self._rec = k
-                    self._rec_pid = pid
-                    return
-        finally:
-            cxl_local_exit(self.L, self._pin_lock)
-        raise RuntimeError(f"KV cache {self.name!r}: {PROC_RECORDS} live processes of node "
-                           f"{self._node} already hold records of its pin table")
-
-    def _map_procs(self):
-        from cxlrt.nodelocal import local_dir
-        self._rec_stride = 64 + (self.slots * 2 + 63) // 64 * 64
-        size = PROC_HDR + PROC_RECORDS * self._rec_stride
-        path = os.path.join(local_dir(), f"cxlrt-{self.region.uuid:016x}-node{self._node}"
-                                         f"-kv{self.offset:x}.pins")
-        head = PROC_MAGIC.to_bytes(8, "little") + self.offset.to_bytes(8, "little") + \
-            self.slots.to_bytes(8, "little")
-        fresh = False
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
-            if os.fstat(fd).st_size != size or os.pread(fd, 24, 0) != head:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)  # zero: no process holds pins
-                os.pwrite(fd, head, 0)
-                fresh = True
-            self._procs_map = Mapping(path, size)
-            self._procs = self._procs_map.base
-            self._rec = -1
-            if fresh:
-                # No process of this node holds a pin now (its table is new: a first
-                # attach, or a host that lost /dev/shm). Pins left in the region by the
-                # node's earlier life would keep their blocks forever: clear them.
-                self._clear_node_pins()
-        finally:
-            os.close(fd)
-
-    def _clear_node_pins(self):
-        cdef int rc
-        with nogil:
-            rc = self._enter_pins()
-        if rc != 0:
-            self._raise(rc, "attach")
-        try:
-            at = self._pins + self._node * self.slots * 8
-            zeros = bytes(self.slots * 8)
-            self.region.flush(at, len(zeros))
-            self.region.store(at, zeros)
-            self.region.persist(at, len(zeros))
-        finally:
-            cxl_local_exit(self.L, self._pin_lock)
+        return self._pt.recover()
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..STATS_WORDS) to our node's stats line (pin mutex held)."""
@@ -609,13 +378,13 @@ cdef class KVCache:
         return rc
 
     cdef int _stats_locked(self, const uint64_t* d) noexcept nogil:
-        cdef int rc = self._enter_pins()
+        cdef int rc = self._pt.enter()
         if rc != 0:
             return rc
         rc = self._stat_add(d)
         if rc == 0:
             rc = cxl_fence(self.r)
-        cxl_local_exit(self.L, self._pin_lock)
+        self._pt.leave()
         return rc
 
     cdef int _raise(self, int rc, str what) except -1:
@@ -659,8 +428,8 @@ cdef class KVCache:
         cdef tuple ks = tuple(_keys(keys))
         cdef uint64_t n = len(ks), m = 0, j
         cdef int pid = cxl_pid()  # cached, reset at fork: getpid() is a system call
-        if self._rec < 0 or self._rec_pid != pid:
-            self._claim_record()
+        if self._pt._rec < 0 or self._pt._rec_pid != pid:
+            self._pt.claim()
         cdef Hit hit = Hit.__new__(Hit)
         hit.cache = self
         hit.owner_pid = pid
@@ -702,12 +471,12 @@ cdef class KVCache:
             hit.offs[m] = e.off
             m += 1
         memset(st, 0, sizeof(st))
-        rc = self._enter_pins()
+        rc = self._pt.enter()
         if rc != 0:
             return rc
         if m:
-            rc = self._pin_add(hit.slots, m, 1)  # ends with a full fence
-        cxl_local_exit(self.L, self._pin_lock)
+            rc = self._pt.add_locked(hit.slots, m, 1)  # ends with a full fence
+        self._pt.leave()
         if rc != 0:
             return rc
         # Re-read after the fence: an evictor that missed our pin has marked the
@@ -725,22 +494,17 @@ cdef class KVCache:
         st[0] = 1
         st[1] = keep
         st[2] = n - keep
-        if self._enter_pins() == 0:
+        if self._pt.enter() == 0:
             if keep < m:
-                self._pin_add(hit.slots + keep, m - keep, -1)
+                self._pt.add_locked(hit.slots + keep, m - keep, -1)
             self._stat_add(st)
             cxl_fence(self.r)
-            cxl_local_exit(self.L, self._pin_lock)
+            self._pt.leave()
         out[0] = keep
         return rc
 
     cdef int _unpin(self, const uint64_t* slots, uint64_t n) noexcept nogil:
-        cdef int rc = self._enter_pins()
-        if rc != 0:
-            return rc
-        rc = self._pin_add(slots, n, -1)
-        cxl_local_exit(self.L, self._pin_lock)
-        return rc
+        return self._pt.add(slots, n, -1)
 
     # --- load ------------------------------------------------------------------------------
 
@@ -1055,7 +819,7 @@ cdef class KVCache:
         cdef uint64_t j, w = 0, at
         cdef int rc, pinned = 0
         for j in range(self._nodes):
-            at = self._pin_at(j, s)
+            at = self._pt.at(j, s)
             rc = cxl_flush(self.r, at, 8)
             if rc == 0:
                 rc = cxl_load64(self.r, at, &w)
@@ -1130,7 +894,7 @@ cdef class KVCache:
             return old and bool(cxl_node_dead(self.L, <uint32_t>node))
         if pid == <uint64_t>os.getpid():
             return False
-        return not _process_alive(pid, 0)
+        return not process_alive(pid, 0)
 
     def _evict_one(self, uint64_t s, bint writing):
         cdef kv_entry e

@@ -426,3 +426,44 @@ def test_skipping_the_observe_flush_breaks_delivery(backend, emu_only):
         channel_mod._test_skip_observe(False)
     assert c.recv(timeout=5) == b"published"  # with the flush it arrives
     _close(p, c, a, b)
+
+
+def test_close_leaves_a_role_someone_else_took_over_alone(backend):
+    """A producer judged dead and replaced must not clear its successor's claim."""
+    r0 = backend.create(nodes=2)
+    ch = Channel(r0, "taken", slots=4, msg_bytes=32)
+    ch.send(b"mine")
+    r1 = backend.open(1)
+    line = ch.offset + 64  # the producer line: as node 1 writes it when it takes over
+    r1.flush(line, 64)
+    r1.store64(line + 8, 2)
+    r1.store64(line + 16, 424242)
+    r1.persist(line, 64)
+    ch.close()
+    owner = Channel(r0, "taken", slots=4, msg_bytes=32).owner("producer")
+    assert (owner["node"], owner["pid"]) == (1, 424242)
+    r1.close()
+    r0.close()
+
+
+def test_close_waits_for_a_recv_blocked_in_another_thread(backend):
+    r0 = backend.create(nodes=1)
+    ch = Channel(r0, "waiting", slots=4, msg_bytes=32)
+    ch.send(b"x")
+    assert ch.recv(timeout=5) == b"x"  # this object is now also the consumer
+    out = {}
+
+    def blocked():
+        try:
+            out["msg"] = ch.recv()
+        except Exception as e:  # what a closed channel says to a waiting recv
+            out["err"] = e
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.1)
+    ch.close()
+    t.join(5)
+    assert not t.is_alive() and "err" in out and "closed" in str(out["err"])
+    assert Channel(r0, "waiting", slots=4, msg_bytes=32).owner("consumer") is None  # given up
+    r0.close()

@@ -1,0 +1,50 @@
+# A KV cache's pins: per-node counters in the region, and the node-local table of
+# which live process holds which of its node's pins.
+#
+# Invariants:
+#  - Node n's pin words (one per slot: recency ms << 16 | count) are written only
+#    by node n's processes, under the node-local mutex of the cache's pin lock.
+#  - A process's record in the node-local table counts the pins it holds; the
+#    shared count is raised before the record and lowered after it, so a crash
+#    in between leaves a pin too many (a block kept), never one too few.
+#  - A record names its process by pid and start time; the node's other
+#    processes give back the pins of a record whose process is gone.
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+
+from cxlrt.backend cimport cxl_region
+from cxlrt.lock cimport cxl_lockctx
+from cxlrt.mapping cimport Mapping
+
+
+cdef enum:
+    KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
+    CXLRT_E_KVPINS = -1031     # this node holds KV_PIN_MAX pins on one slot
+    CXLRT_E_KVNOREC = -1032    # this process has no record in the node-local pin table yet
+
+
+cdef class PinTable:
+    cdef const cxl_region* r
+    cdef cxl_lockctx* L
+    cdef uint32_t lock_id          # the pin lock: only its node-local mutex is used
+    cdef uint32_t node
+    cdef uint32_t nodes
+    cdef readonly uint64_t pins    # region offset of node 0's pin words
+    cdef readonly uint64_t slots
+    cdef Mapping _map              # the node-local table
+    cdef char* _base
+    cdef uint64_t _stride
+    cdef int _rec                  # our record, and the pid that claimed it
+    cdef int _rec_pid
+    cdef object _region
+
+    cdef inline uint64_t at(self, uint64_t node, uint64_t s) noexcept nogil:
+        return self.pins + (node * self.slots + s) * 8
+
+    cdef int enter(self) noexcept nogil
+    cdef void leave(self) noexcept nogil
+    cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
+    cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
+    cdef int _rebuild(self) noexcept nogil
+    cdef int _release(self, int k) noexcept nogil
+    cdef uint16_t* _record(self, int k) noexcept nogil
+    cdef uint64_t* _head(self, int k) noexcept nogil

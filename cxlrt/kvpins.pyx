@@ -1,0 +1,272 @@
+# The pins of a KV cache (invariants in kvpins.pxd). A pinned block is never
+# evicted; the pins of a process that died are given back by its own node.
+from libc.stdint cimport uint16_t, uint64_t
+from libc.string cimport memset
+
+from cxlrt.backend cimport cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
+from cxlrt.includes.intrin cimport cxl_pid, cxl_wall_ns
+from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
+from cxlrt.mapping cimport Mapping
+
+import fcntl
+import os
+
+from cxlrt.errors import RegionError
+
+cdef uint64_t TABLE_MAGIC = 0x31305050_4B4C5843  # "CXLKPP01"
+cdef uint64_t TABLE_HDR = 64
+cdef int RECORDS = 64                           # processes of one node pinning at once
+
+
+def process_start(pid):
+    """Start time of a process (clock ticks after boot), or 0 when unknown.
+
+    With the pid it names one process: a container restarted under the same pid
+    has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_alive(pid, start):
+    """False only when the process is certainly gone (or its pid was reused)."""
+    if pid > 0x7fffffff:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = process_start(pid)
+    return not (start and now and now != start)
+
+
+cdef class PinTable:
+    """Pin words of one KV cache for this node, and the node-local record table.
+
+    Every process of a node must share the node-local folder and pid namespace.
+    """
+
+    def __init__(self, region, uint64_t lockctx, uint32_t lock_id, uint64_t pins,
+                 uint64_t slots, str path):
+        self._region = region
+        self.L = <cxl_lockctx*><size_t>lockctx
+        self.r = self.L.r
+        self.lock_id = lock_id
+        self.node = region.node
+        self.nodes = region.nodes
+        self.pins = pins
+        self.slots = slots
+        self._rec = -1
+        self._stride = 64 + (slots * 2 + 63) // 64 * 64
+        self._open(path)
+
+    def _open(self, str path):
+        size = TABLE_HDR + RECORDS * self._stride
+        head = (TABLE_MAGIC.to_bytes(8, "little") + self.pins.to_bytes(8, "little")
+                + self.slots.to_bytes(8, "little"))
+        fresh = False
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
+            if os.fstat(fd).st_size != size or os.pread(fd, 24, 0) != head:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)  # zero: no process holds pins
+                os.pwrite(fd, head, 0)
+                fresh = True
+            self._map = Mapping(path, size)
+            self._base = self._map.base
+            if fresh:
+                # No process of this node holds a pin now (its table is new: a first
+                # attach, or a host that lost /dev/shm). Pins left in the region by the
+                # node's earlier life would keep their blocks forever: clear them.
+                self._clear()
+        finally:
+            os.close(fd)
+
+    # --- the node-local mutex ----------------------------------------------------------
+
+    cdef int enter(self) noexcept nogil:
+        """Take the node's pin mutex; if its last holder died mid-update, rebuild
+        our node's pin words from the records (the truth for live processes)."""
+        cdef int rc = cxl_local_enter(self.L, self.lock_id)
+        if rc == 1:
+            rc = self._rebuild()
+            if rc != 0:
+                cxl_local_exit(self.L, self.lock_id)
+        return rc
+
+    cdef void leave(self) noexcept nogil:
+        cxl_local_exit(self.L, self.lock_id)
+
+    def _enter(self):
+        cdef int rc
+        with nogil:
+            rc = self.enter()
+        if rc != 0:
+            raise RegionError(f"pin table: node-local mutex: status {rc}")
+
+    # --- pins ----------------------------------------------------------------------------
+
+    cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
+        """add_locked() under the pin mutex."""
+        cdef int rc = self.enter()
+        if rc != 0:
+            return rc
+        rc = self.add_locked(slots, n, delta)
+        self.leave()
+        return rc
+
+    cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
+        """Add `delta` to our node's pin on each slot, in the region and in our
+        record, and publish (pin mutex held). Raising is all or nothing."""
+        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
+        cdef uint16_t* mine
+        cdef int rc = 0
+        if self._rec < 0 or self._rec_pid != cxl_pid():
+            return CXLRT_E_KVNOREC
+        mine = self._record(self._rec)
+        for i in range(n):
+            if delta < 0:
+                if mine[slots[i]] == 0:
+                    continue  # not ours to give back (a Hit of another process)
+                mine[slots[i]] -= 1
+            at = self.at(self.node, slots[i])
+            rc = cxl_load64(self.r, at, &w)
+            if rc != 0:
+                break
+            cnt = w & KV_PIN_MAX
+            if delta > 0:
+                if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
+                    rc = CXLRT_E_KVPINS
+                    break
+                cnt += 1
+            elif cnt > 0:
+                cnt -= 1
+            rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
+            if rc == 0:
+                rc = cxl_flush_nodrain(self.r, at, 8)
+            if rc != 0:
+                break
+            if delta > 0:
+                mine[slots[i]] += 1
+        if rc != 0 and delta > 0 and i > 0:
+            self.add_locked(slots, i, -1)
+        if rc != 0:
+            return rc
+        return cxl_fence(self.r)
+
+    def has_record(self):
+        return self._rec >= 0 and self._rec_pid == cxl_pid()
+
+    # --- records -------------------------------------------------------------------------
+
+    cdef uint16_t* _record(self, int k) noexcept nogil:
+        return <uint16_t*>(self._base + TABLE_HDR + <uint64_t>k * self._stride + 64)
+
+    cdef uint64_t* _head(self, int k) noexcept nogil:
+        """[pid, start time] of record k; pid 0 = free."""
+        return <uint64_t*>(self._base + TABLE_HDR + <uint64_t>k * self._stride)
+
+    cdef int _rebuild(self) noexcept nogil:
+        cdef uint64_t s, w, at, total
+        cdef int k, rc
+        for s in range(self.slots):
+            total = 0
+            for k in range(RECORDS):
+                if self._head(k)[0] != 0:
+                    total += self._record(k)[s]
+            total = min(total, KV_PIN_MAX)
+            at = self.at(self.node, s)
+            rc = cxl_load64(self.r, at, &w)
+            if rc == 0 and (w & KV_PIN_MAX) != total:
+                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | total)
+                if rc == 0:
+                    rc = cxl_flush_nodrain(self.r, at, 8)
+            if rc != 0:
+                return rc
+        return cxl_fence(self.r)
+
+    cdef int _release(self, int k) noexcept nogil:
+        """Give back every pin of record k and free it (pin mutex held)."""
+        cdef uint64_t s, w, at, cnt
+        cdef uint16_t* c = self._record(k)
+        cdef int rc
+        for s in range(self.slots):
+            if c[s] == 0:
+                continue
+            at = self.at(self.node, s)
+            rc = cxl_load64(self.r, at, &w)
+            if rc != 0:
+                return rc
+            cnt = w & KV_PIN_MAX
+            cnt = cnt - c[s] if cnt > c[s] else 0
+            c[s] = 0
+            rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
+            if rc == 0:
+                rc = cxl_flush_nodrain(self.r, at, 8)
+            if rc != 0:
+                return rc
+        self._head(k)[0] = 0
+        self._head(k)[1] = 0
+        return cxl_fence(self.r)
+
+    def _recover_locked(self):
+        cdef int k, rc
+        cdef uint64_t s
+        freed = 0
+        for k in range(RECORDS):
+            pid, start = self._head(k)[0], self._head(k)[1]
+            if pid == 0 or process_alive(pid, start):
+                continue
+            for s in range(self.slots):
+                freed += self._record(k)[s]
+            with nogil:
+                rc = self._release(k)
+            if rc != 0:
+                raise RegionError(f"pin table: giving back pins: status {rc}")
+        return freed
+
+    def recover(self):
+        """Give back the pins of this node's dead processes; returns how many."""
+        self._enter()
+        try:
+            return self._recover_locked()
+        finally:
+            self.leave()
+
+    def claim(self):
+        """Give this process a record (its first pin after start or fork)."""
+        cdef int k
+        pid = cxl_pid()
+        self._enter()
+        try:
+            self._recover_locked()
+            for k in range(RECORDS):
+                if self._head(k)[0] == 0:
+                    memset(self._record(k), 0, self.slots * 2)
+                    self._head(k)[1] = process_start(pid)
+                    self._head(k)[0] = pid
+                    self._rec = k
+                    self._rec_pid = pid
+                    return
+        finally:
+            self.leave()
+        raise RuntimeError(f"{RECORDS} live processes of node {self.node} already hold "
+                           "records of this KV cache's pin table")
+
+    def _clear(self):
+        self._enter()
+        try:
+            at = self.at(self.node, 0)
+            zeros = bytes(self.slots * 8)
+            self._region.flush(at, len(zeros))
+            self._region.store(at, zeros)
+            self._region.persist(at, len(zeros))
+        finally:
+            self.leave()

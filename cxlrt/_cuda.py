@@ -67,6 +67,7 @@ def load_cuda(cache: Any, hit: Any, out: Any, start: int) -> None:
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.from_numpy(np.frombuffer(v, dtype=np.uint8))
             dst[i * bb:(i + 1) * bb].copy_(src, non_blocking=True)
+        cache._count_loaded(n * bb)
     else:
         staging = torch.empty(n * bb, dtype=torch.uint8, pin_memory=True)
         cache.load(hit, staging, start=start)

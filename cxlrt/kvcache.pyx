@@ -476,6 +476,9 @@ cdef class KVCache:
             return rc
         if m:
             rc = self._pt.add_locked(hit.slots, m, 1)  # ends with a full fence
+            if rc == CXLRT_E_KVPINS:  # a block pinned 65535 times by us: the hit ends there
+                m = self._pt.done
+                rc = 0
         self._pt.leave()
         if rc != 0:
             return rc
@@ -573,6 +576,17 @@ cdef class KVCache:
         if rc != 0:
             self._raise(rc, "load")
         return out
+
+    def _count_loaded(self, uint64_t nbytes):
+        """Count bytes a load path outside load() copied (the CUDA one)."""
+        cdef uint64_t st[8]
+        cdef int rc
+        memset(st, 0, sizeof(st))
+        st[7] = nbytes
+        with nogil:
+            rc = self._stats_locked(st)
+        if rc != 0:
+            self._raise(rc, "load")
 
     def views(self, Hit hit not None):
         """Zero-copy read-only views of the hit's blocks (mappable backends only).

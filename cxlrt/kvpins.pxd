@@ -36,6 +36,7 @@ cdef class PinTable:
     cdef int _rec                  # our record, and the pid that claimed it
     cdef int _rec_pid
     cdef object _region
+    cdef uint64_t done             # slots the last add_locked() changed
 
     cdef inline uint64_t at(self, uint64_t node, uint64_t s) noexcept nogil:
         return self.pins + (node * self.slots + s) * 8

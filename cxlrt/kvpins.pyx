@@ -124,7 +124,8 @@ cdef class PinTable:
 
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
         """Add `delta` to our node's pin on each slot, in the region and in our
-        record, and publish (pin mutex held). Raising is all or nothing."""
+        record, and publish (pin mutex held). `done` tells how many slots took it:
+        all of them, or on CXLRT_E_KVPINS those before the saturated one."""
         cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
         cdef uint16_t* mine
         cdef int rc = 0
@@ -155,8 +156,17 @@ cdef class PinTable:
                 break
             if delta > 0:
                 mine[slots[i]] += 1
+        self.done = i if rc != 0 else n
+        if rc == CXLRT_E_KVPINS:
+            # A block this node already pins 65535 times: the pins before it hold,
+            # and the caller ends its hit there (done says where).
+            if cxl_fence(self.r) != 0:
+                self.done = 0  # unknown state: the caller fails the lookup
+                return -1
+            return rc
         if rc != 0 and delta > 0 and i > 0:
-            self.add_locked(slots, i, -1)
+            self.add_locked(slots, i, -1)  # any other failure: all or nothing
+            self.done = 0
         if rc != 0:
             return rc
         return cxl_fence(self.r)

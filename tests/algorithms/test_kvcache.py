@@ -564,3 +564,19 @@ def test_a_node_that_lost_its_pin_table_starts_with_no_pins(backend):
     assert c.store(more, [block_for(k) for k in more]) == more
     b.close()
     r.close()
+
+
+def test_a_block_pinned_65535_times_ends_the_hit_there(backend):
+    r, c, keys = filled(backend, blocks=2)
+    held = [c.lookup(keys[:1]) for _ in range(0xffff)]  # this node's pin count saturates
+    assert all(len(h) == 1 for h in held)
+    with c.lookup(keys) as hit:
+        assert len(hit) == 0  # the first key cannot take one more pin: a miss, not an error
+    with c.lookup([keys[1], keys[0]]) as hit:
+        assert len(hit) == 1 and list(hit.keys) == [keys[1]]
+    held.pop().release()
+    with c.lookup(keys) as hit:
+        assert len(hit) == 2
+    for h in held:
+        h.release()
+    r.close()

@@ -265,6 +265,8 @@ def inspect(spec: str) -> dict[str, Any]:
             info["node_areas"].append({
                 "node": n, "pid": pid, "attaches": attaches, "host_id": f"{host:016x}",
                 "heartbeat_age_s": None if hb == 0 else round((now - hb) / 1e9, 3)})
+        from cxlrt.kvcache import describe
+        info["kv_caches"] = describe(region, info["sections"]["directory"][0])
     finally:
         region.close()
     info["spec"] = str(s)

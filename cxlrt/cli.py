@@ -44,6 +44,14 @@ def _print_info(info: dict[str, Any]) -> None:
         else:
             print(f"node {a['node']:<3} pid {a['pid']}, host {a['host_id']}, "
                   f"{a['attaches']} attach(es), heartbeat {a['heartbeat_age_s']} s ago")
+    for kv in info.get("kv_caches", []):
+        if "error" in kv:
+            print(f"kv cache {kv['name']!r}: unreadable ({kv['error']})")
+            continue
+        print(f"kv cache {kv['name']!r}: {kv['occupancy']}/{kv['capacity_blocks']} blocks of "
+              f"{_human(kv['block_bytes'])} ({kv['block_tokens']} tokens, {kv['algorithm']}, "
+              f"salt {kv['salt_digest'][:16]}); {kv['hits']} hits, {kv['misses']} misses, "
+              f"{kv['stores']} stores, {kv['evictions']} evictions")
 
 
 def cmd_format(args: argparse.Namespace) -> int:

@@ -1138,3 +1138,42 @@ def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t
     e.stamp_ns = stamp_ns
     e.check = _mix(&e)
     return (<char*>&e)[:64]
+
+
+def describe(region, uint64_t dir_off):
+    """Every KV cache named in a region's directory, read by DMA without attaching.
+
+    For `cxlrt info`: geometry, occupancy and the counters summed over nodes. A
+    cache whose header cannot be right is listed with an "error".
+    """
+    import struct
+    out = []
+    for i in range(128):
+        raw = region.dma_read(dir_off + i * 128, 128)
+        state, off, n, gen = struct.unpack_from("<QQQQ", raw)
+        if state != 1 or gen & 1 or n > 64:
+            continue
+        name = raw[64:64 + n].decode("utf-8", "replace")
+        if not name.startswith(DIR_PREFIX):
+            continue
+        item = {"name": name[len(DIR_PREFIX):], "offset": off}
+        try:
+            head = region.dma_read(off, KV_HEADER)
+            w = struct.unpack_from("<QIIQQQII", head)
+            lay = struct.unpack_from("<8Q", head, 64)
+            if w[0] != MAGIC or _fnv(head[:120]) != lay[7]:
+                raise RegionError("not a KV cache header")
+            item.update(slots=w[3], capacity_blocks=w[4], block_bytes=w[5], block_tokens=w[6],
+                        algorithm=ALGORITHM_NAMES.get(w[7], str(w[7])),
+                        salt_digest=head[48:64].hex(),
+                        occupancy=struct.unpack_from("<Q", head, 128)[0])
+            totals = dict.fromkeys(STAT_NAMES, 0)
+            for j in range(lay[0]):
+                words = struct.unpack("<8Q", region.dma_read(lay[3] + j * STATS_WORDS * 8, 64))
+                for k, v in zip(STAT_NAMES, words, strict=True):
+                    totals[k] += v
+            item.update(totals)
+        except (RegionError, IndexError, struct.error) as e:
+            item["error"] = str(e)
+        out.append(item)
+    return out

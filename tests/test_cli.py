@@ -36,6 +36,24 @@ def test_format_then_info(region_dir):
     assert info["sections"]["heap"][0] > 0
 
 
+def test_info_lists_kv_caches_with_their_counters(region_dir):
+    import cxlrt as rt
+    spec = f"emu:{region_dir}/rack?check=1"
+    with rt.open(spec, node=0, create=True, size="8M", nodes=2) as r:
+        c = rt.KVCache(r, "llama", block_bytes=4096, capacity_blocks=16, salt=b"m")
+        keys = c.block_hashes(range(64))
+        c.store(keys, [bytes(4096)] * 4)
+        with c.lookup(keys):
+            pass
+        c.lookup(c.block_hashes(range(100, 116))).release()
+    human = cxlrt("info", spec).stdout
+    assert "kv cache 'llama': 4/16 blocks of 4.0 KiB" in human
+    assert "4 hits, 1 misses, 4 stores, 0 evictions" in human
+    (kv,) = json.loads(cxlrt("info", spec, "--json").stdout)["kv_caches"]
+    assert (kv["name"], kv["occupancy"], kv["block_tokens"], kv["algorithm"]) == (
+        "llama", 4, 16, "blake2b")
+
+
 @pytest.mark.parametrize("args,msg,code", [
     (["info", "file:/nonexistent/x"], "cxlrt format", 2),
     (["info", "tape:/x"], "unknown region scheme", 2),

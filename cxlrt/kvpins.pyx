@@ -32,6 +32,23 @@ def process_start(pid):
         return 0
 
 
+def _boot_id():
+    """16 bytes naming this boot of the host (zeros where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def _pid_namespace():
+    """Inode of this process's pid namespace (0 where unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def process_alive(pid, start):
     """False only when the process is certainly gone (or its pid was reused)."""
     if pid > 0x7fffffff:
@@ -70,21 +87,31 @@ cdef class PinTable:
         size = TABLE_HDR + RECORDS * self._stride
         head = (TABLE_MAGIC.to_bytes(8, "little") + self.pins.to_bytes(8, "little")
                 + self.slots.to_bytes(8, "little"))
+        where = _boot_id() + _pid_namespace().to_bytes(8, "little")
         fresh = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
-            if os.fstat(fd).st_size != size or os.pread(fd, 24, 0) != head:
+            old = os.pread(fd, 48, 0)
+            if os.fstat(fd).st_size != size or old[:24] != head or old[24:40] != where[:16]:
+                # New, or left by an earlier boot (a local dir that outlives reboots):
+                # either way no live process holds a pin through it.
                 os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)  # zero: no process holds pins
-                os.pwrite(fd, head, 0)
+                os.ftruncate(fd, size)
+                os.pwrite(fd, head + where, 0)
                 fresh = True
+            elif old[40:48] != where[16:]:
+                raise RegionError(
+                    f"{path}: another process of node {self.node} runs in a different pid "
+                    "namespace (another container?). Pins are given back by pid, so every "
+                    "process of one node must share a pid namespace and the node-local "
+                    "folder ($CXLRT_LOCAL_DIR); give other containers their own node ids")
             self._map = Mapping(path, size)
             self._base = self._map.base
             if fresh:
                 # No process of this node holds a pin now (its table is new: a first
-                # attach, or a host that lost /dev/shm). Pins left in the region by the
-                # node's earlier life would keep their blocks forever: clear them.
+                # attach, or a host that lost /dev/shm or rebooted). Pins left in the
+                # region by the node's earlier life would keep their blocks: clear them.
                 self._clear()
         finally:
             os.close(fd)

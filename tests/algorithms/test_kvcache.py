@@ -547,21 +547,45 @@ def test_a_forked_child_cannot_release_its_parents_pins(backend):
     r.close()
 
 
-def test_a_node_that_lost_its_pin_table_starts_with_no_pins(backend):
-    """A host that lost /dev/shm (reboot) must not leave its old pins in the region."""
+def _pin_table(node):
+    from cxlrt.nodelocal import local_dir
+    tables = [f for f in os.listdir(local_dir()) if f.endswith(".pins") and f"-node{node}-" in f]
+    assert len(tables) == 1
+    return os.path.join(local_dir(), tables[0])
+
+
+def _rewrite(path, at, data):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+@pytest.mark.parametrize("how", ["lost", "earlier-boot"])
+def test_a_node_whose_pin_table_is_gone_starts_with_no_pins(backend, how):
+    """A host that lost /dev/shm, or rebooted, must not leave its old pins in the region."""
     r, c, keys = filled(backend, nodes=2)
     p = _CTX.Process(target=_pin_and_die, args=(backend.spec(), 1, keys))
     p.start()
     p.join(60)
-    from cxlrt.nodelocal import local_dir
-    tables = [f for f in os.listdir(local_dir()) if f.endswith(".pins") and "-node1-" in f]
-    assert len(tables) == 1
-    os.unlink(os.path.join(local_dir(), tables[0]))
+    if how == "lost":
+        os.unlink(_pin_table(1))
+    else:
+        _rewrite(_pin_table(1), 24, os.urandom(16))  # the boot id recorded in its header
     more, stored = store_new(c, 1)
     assert stored == []  # node 1's old pins
     b = backend.open(1)
     open_cache(b, capacity_blocks=8)  # a new table: node 1 clears its pins in the region
     assert c.store(more, [block_for(k) for k in more]) == more
+    b.close()
+    r.close()
+
+
+def test_processes_of_one_node_in_two_pid_namespaces_are_refused(backend):
+    r, c, keys = filled(backend, nodes=1)
+    _rewrite(_pin_table(0), 40, (12345).to_bytes(8, "little"))  # another container made it
+    b = backend.open(0)
+    with pytest.raises(cxlrt.RegionError, match="pid namespace"):
+        open_cache(b, capacity_blocks=8)
     b.close()
     r.close()
 

@@ -46,6 +46,7 @@ INCLUDE = ["cxlrt/includes"]
 # and cxlrt.emulation, so the tree shows the layers and imports stay in one namespace.
 MODULES = [
     ("cxlrt.mapping", "cxlrt/mapping.pyx"),
+    ("cxlrt.crash", "cxlrt/crash.pyx"),
     ("cxlrt.shm", "cxlrt/shm.pyx"),
     ("cxlrt.backend", "cxlrt/backend.pyx"),
     ("cxlrt.superblock", "cxlrt/superblock.pyx"),

@@ -52,6 +52,7 @@ MODULES = [
     ("cxlrt.superblock", "cxlrt/superblock.pyx"),
     ("cxlrt.region", "cxlrt/region.pyx"),
     ("cxlrt.nodelocal", "cxlrt/nodelocal.pyx"),
+    ("cxlrt.liveness", "cxlrt/liveness.pyx"),
     ("cxlrt.lock", "cxlrt/lock.pyx"),
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),

@@ -542,7 +542,6 @@ cdef class Allocator:
         self.A.rfree_off = alloc_off + (self.A.nchunks * 8 + 4095) // 4096 * 4096
         self.A.node = region.node
         self.A.nodes = region.nodes
-        svc.on_beat = self.drain
 
     def _raise(self, int rc, str what):
         if rc in _ERRORS:

@@ -237,7 +237,8 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
     return inspect(str(s))
 
 
-_NODE = struct.Struct("<QQQQ")
+_NODE = struct.Struct("<8Q")  # line 0 of a node area (layout.pxd cxl_node_area)
+_NODE_STATES = {0: "never attached", 1: "attached", 2: "detached"}
 
 
 def _placement(cls, path, params, size, upto):
@@ -261,10 +262,14 @@ def inspect(spec: str) -> dict[str, Any]:
         now = time.time_ns()
         info["node_areas"] = []
         for n in range(info["nodes"]):
-            pid, hb, attaches, host = _NODE.unpack(region.dma_read(base + n * _sb.NODE_AREA, 32))
+            beat, state, inc, host, _, pid, attaches, wall = _NODE.unpack(
+                region.dma_read(base + n * _sb.NODE_AREA, _NODE.size))
             info["node_areas"].append({
                 "node": n, "pid": pid, "attaches": attaches, "host_id": f"{host:016x}",
-                "heartbeat_age_s": None if hb == 0 else round((now - hb) / 1e9, 3)})
+                "state": _NODE_STATES.get(state, f"corrupt ({state})"), "beat": beat,
+                "incarnation": inc,
+                # Wall-clock age of the last beat, for people: liveness never uses it.
+                "heartbeat_age_s": None if not wall else round((now - wall) / 1e9, 3)})
         from cxlrt.kvcache import describe
         info["kv_caches"] = describe(region, info["sections"]["directory"][0])
     finally:

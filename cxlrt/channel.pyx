@@ -445,10 +445,7 @@ cdef class Channel:
         if node >= r.nodes:
             return False
         # Another host: the best we can see is whether its node still beats.
-        area = r.node_area(node)
-        r.flush(area + 8, 8)  # observe the node's heartbeat (published by that node)
-        beat = r.load64(area + 8)
-        return beat != 0 and time.time_ns() - beat < r.lease_ms * 1_000_000
+        return r.liveness.state(node) == "alive"
 
     cdef _claim(self, str role):
         """Make this process the channel's `role` (first send/recv); ChannelBusyError if taken."""

@@ -14,20 +14,18 @@ from typing import Any
 
 import cxlrt
 from cxlrt import heapscan
+from cxlrt.liveness import survey
 from cxlrt.lock import MODE_NAMES, read_header, record_offset
 
 
-def _nodes(region) -> list[dict[str, Any]]:
+def _nodes(region, window: float | None = None) -> list[dict[str, Any]]:
+    """Every node's state, judged by its heartbeat counter over a lease (liveness.survey)."""
     out = []
-    lease_ns = region.lease_ms * 1_000_000
-    now = time.time_ns()
-    for n in range(region.nodes):
-        area = region.node_area(n)
-        region.flush(area, 32)
-        pid, beat = region.load64(area), region.load64(area + 8)
-        age = None if beat == 0 else (now - beat) / 1e9
-        out.append({"node": n, "pid": pid, "heartbeat_age_s": age,
-                    "dead": beat != 0 and now - beat > lease_ns, "attached": beat != 0})
+    for a in survey(region, -1.0 if window is None else window):
+        a["dead"] = a["state"] == "dead"
+        a["attached"] = a["state"] in ("alive", "dead")
+        a["heartbeat_age_s"] = a.pop("beat_age_s")
+        out.append(a)
     return out
 
 
@@ -83,8 +81,8 @@ def check(spec: str) -> dict[str, Any]:
                 problems.append(f"directory {name!r} -> {off:#x} points into free heap")
         dead = [n["node"] for n in nodes if n["dead"]]
         for n in dead:
-            problems.append(f"node {n} is dead: heartbeat {nodes[n]['heartbeat_age_s']:.1f} s "
-                            f"old (lease {region.lease_ms / 1000} s)")
+            problems.append(f"node {n} is dead: its heartbeat counter stood still for a "
+                            f"{region.lease_ms / 1000} s lease")
         return {"spec": spec, "nodes": nodes, "locks": locks, "usage": s.usage(),
                 "directory": dict(directory), "dead_nodes": dead, "problems": problems}
 
@@ -94,17 +92,17 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
     info = cxlrt.inspect(spec)
     if not 0 <= node < info["nodes"]:
         raise ValueError(f"--node {node} is out of range (0..{info['nodes'] - 1})")
-    area = info["node_areas"][node]
-    age = area["heartbeat_age_s"]
-    lease = info["lease_ms"] / 1000
-    if not force and age is not None and age <= lease:
-        raise cxlrt.RegionError(
-            f"node {node} is alive (heartbeat {age:.2f} s old, lease {lease} s); repairing "
-            "a live node would give its lines two writers. Pass --force only if you know "
-            "it is gone.")
+    if not force:
+        with cxlrt.open(spec, node=0, observer=True) as region:
+            state = _nodes(region)[node]["state"]
+        if state == "alive":
+            raise cxlrt.RegionError(
+                f"node {node} is alive (its heartbeat counter moved within the "
+                f"{info['lease_ms'] / 1000} s lease); repairing a live node would give its "
+                "lines two writers. Pass --force only if you know it is gone.")
     actions = []
     with cxlrt.open(spec, node=0, observer=True) as region:
-        nodes = _nodes(region)
+        nodes = _nodes(region, 0)
         held = [x["name"] for x in _locks(region, nodes)[0]
                 if node in x["nodes_holding_or_waiting"]]
     with cxlrt.open(spec, node=node) as region:  # we ARE node `node` from here on
@@ -116,7 +114,7 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
             h = svc._read_header(i)
             if h is not None:
                 _reset_node_line(svc, i, h[1])
-        still = [x["name"] for x in _locks(region, _nodes(region))[0]
+        still = [x["name"] for x in _locks(region, _nodes(region, 0))[0]
                  if node in x["nodes_holding_or_waiting"]]
         for name in held:
             if name not in still:

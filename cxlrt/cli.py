@@ -38,12 +38,13 @@ def _print_info(info: dict[str, Any]) -> None:
         where = ", ".join(f"node {k}: {v} pages" for k, v in sorted(info["placement"].items()))
         print(f"placement metadata pages by NUMA node: {where}")
     for a in info["node_areas"]:
-        if a["heartbeat_age_s"] is None:
+        if a["state"] != "attached":
             before = f" ({a['attaches']} attach(es) before)" if a["attaches"] else ""
-            print(f"node {a['node']:<3} not attached{before}")
+            print(f"node {a['node']:<3} {a['state']}{before}")
         else:
-            print(f"node {a['node']:<3} pid {a['pid']}, host {a['host_id']}, "
-                  f"{a['attaches']} attach(es), heartbeat {a['heartbeat_age_s']} s ago")
+            print(f"node {a['node']:<3} attached: pid {a['pid']}, host {a['host_id']}, "
+                  f"life {a['incarnation']}, {a['attaches']} attach(es), beat {a['beat']} "
+                  f"(last {a['heartbeat_age_s']} s ago by the host's clock)")
     for kv in info.get("kv_caches", []):
         if "error" in kv:
             print(f"kv cache {kv['name']!r}: unreadable ({kv['error']})")

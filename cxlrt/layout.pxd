@@ -1,7 +1,7 @@
 # On-media structures of a region. Sized types and offsets only, never pointers:
 # every host maps the region at a different address.
 #
-# Region map (layout version 2), every section page-aligned:
+# Region map (layout version 3), every section page-aligned:
 #   superblock page   cxl_superblock at 0
 #   nodes             CXL_NODE_AREA bytes a node, written only by that node
 #   locks             one manager-claim line, then CXL_MAX_LOCKS lock records of
@@ -16,7 +16,7 @@ from libc.stdint cimport uint32_t, uint64_t
 
 
 cdef enum:
-    CXL_LAYOUT_VERSION = 2
+    CXL_LAYOUT_VERSION = 3
     CXL_LINE_SIZE = 64
     CXL_SB_PAGE = 4096
     CXL_MAX_SECTIONS = 8
@@ -36,6 +36,9 @@ cdef enum:
     CXL_SEC_ALLOC = 3
     CXL_SEC_HEAP = 4
     CXL_NSECTIONS = 5
+    CXL_NODE_NEVER = 0        # node area state: never attached since format
+    CXL_NODE_ATTACHED = 1     # some process of the node is attached
+    CXL_NODE_DETACHED = 2     # its last process detached cleanly (holds given back)
 
 
 ctypedef struct cxl_section:
@@ -59,11 +62,20 @@ ctypedef struct cxl_superblock:
 
 
 ctypedef struct cxl_node_area:
-    uint64_t pid              # last process that attached as this node
-    uint64_t heartbeat_ns     # wall clock of its last heartbeat (ns), 0 = never
-    uint64_t attaches         # attaches seen by this node's writer (informational)
-    uint64_t host_id          # hash of the attaching host's name
-    uint64_t reserved[28]     # pads to CXL_NODE_AREA; later versions use it
+    # line 0: liveness, written by the node's attaches and heartbeats (liveness.pyx)
+    uint64_t beat             # heartbeat counter: changes at every beat, never a clock
+    uint64_t state            # CXL_NODE_NEVER, CXL_NODE_ATTACHED or CXL_NODE_DETACHED
+    uint64_t incarnation      # bumped by each new life of the node (fresh node-local state)
+    uint64_t host_id          # hash of the host name of this incarnation
+    uint64_t boot_id          # hash of the kernel boot id of this incarnation
+    uint64_t pid              # last process that attached (informational)
+    uint64_t attaches         # attaches of this node (informational, wraps)
+    uint64_t beat_wall_ns     # wall clock of the last beat: shown by `info`, never judged
+    # line 1: the lock manager this node runs (lock.pyx)
+    uint64_t mgr_epoch        # epoch of the manager claim it runs under, 0 = none
+    uint64_t mgr_beat         # advanced by every manager pass
+    uint64_t mgr_pid          # the manager's process (informational)
+    uint64_t reserved[21]     # pads to CXL_NODE_AREA; later versions use it
 
 
 # --- locks (one record: header line, one line per node, grant line) -----------
@@ -91,10 +103,14 @@ ctypedef struct cxl_lock_grant_line:
 
 
 ctypedef struct cxl_mgr_claim:
+    # Written only by the holder of lock 0 when it takes the manager role over; the
+    # manager itself beats in its own node area (mgr_epoch, mgr_beat), so a superseded
+    # manager never writes this line again.
     uint64_t node_plus1       # node running the lock manager + 1, 0 = none
-    uint64_t pid              # its process
-    uint64_t beat_ns          # wall clock of its last scan
-    uint64_t reserved[5]
+    uint64_t epoch            # bumped by every takeover; grants carry its low 16 bits
+    uint64_t incarnation      # that node's incarnation when it took the role
+    uint64_t pid              # its process (informational)
+    uint64_t reserved[4]
 
 
 # --- directory ------------------------------------------------------------------

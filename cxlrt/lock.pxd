@@ -6,12 +6,21 @@
 #    written only by the one lock manager that holds the manager claim.
 #  - The global tier is entered only by the holder of the node-local mutex, so
 #    at most one thread per node competes and a node's line has one writer.
-#  - A node whose heartbeat is older than the lease is dead: waiters skip its
-#    line, and the manager revokes its grant. A dead process inside a live node
-#    is recovered by that node's other processes through the robust mutex.
+#  - A node that liveness.pxd judges gone (dead, detached, never attached) holds
+#    nothing: waiters skip its line, and the manager revokes its grant. A dead
+#    process inside a live node is recovered by that node's other processes
+#    through the robust mutex (the heartbeat's sweep, an acquire, or a detach).
+#  - Manager mode is fenced by epochs: the claim line names the manager and its
+#    epoch and is written only under lock 0 by a takeover; a grant word carries
+#    the epoch's low 16 bits and a waiter accepts a grant only if the claim still
+#    carries that epoch after it saw the grant. A manager re-checks its epoch
+#    before every grant and stops for good once superseded.
+#  - A holder learns at release (LeaseLost) that it was silent past the lease at
+#    any time since it began to acquire; Lock.check() asks the same mid-hold.
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
+from cxlrt.liveness cimport cxl_live
 
 
 cdef enum:
@@ -22,13 +31,15 @@ cdef enum:
     CXL_LOCK_ALLOC = 1     # lock 1 guards the chunk table and remote-free queues
     CXLRT_E_TIMEOUT = -1010
     CXLRT_E_LOCKSTATE = -1011  # a lock's own state is unusable (not created, bad mode)
+    CXLRT_E_FENCED = -1012     # superseded (another life of the node, or another manager)
 
 
 ctypedef struct cxl_lockctx:
     const cxl_region* r
     char* local               # node-local lock slots (CXL_LOCAL_LOCK_BYTES apart)
     uint64_t locks_off        # locks section: claim line, then records
-    uint64_t nodes_off        # node areas (heartbeats)
+    uint64_t nodes_off        # node areas
+    cxl_live* live            # liveness: node states, our own silence
     uint64_t rec_bytes        # (nodes + 2) * 64
     uint64_t lease_ns
     uint32_t nodes
@@ -40,5 +51,6 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil
 cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil
 cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil
+cdef int cxl_lock_sweep(void* ctx) noexcept nogil
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil

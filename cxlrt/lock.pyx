@@ -15,9 +15,12 @@ from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, cxl_flush, cxl_load, cxl_load64,
                             cxl_persist, cxl_publish, cxl_region, cxl_store64)
+from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
                                     cxl_load64_volatile, cxl_now_ns, cxl_pid,
-                                    cxl_store64_volatile, cxl_wall_ns, unlikely)
+                                    cxl_store64_volatile, unlikely)
+from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
+                             cxl_live_silent_since, cxl_node_gone)
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
@@ -33,7 +36,11 @@ cdef extern from "cxl_intrin.h" nogil:
 cdef enum:
     DEAD_CHECK_NS = 20000000
 
-cdef uint64_t GRANT_SEQ_MASK = (<uint64_t>1 << 56) - 1
+# A grant word: (node + 1) << 56 | (manager epoch & 0xFFFF) << 40 | (request & SEQ).
+cdef uint64_t GRANT_SEQ_MASK = (<uint64_t>1 << 40) - 1
+cdef uint64_t GRANT_EPOCH_MASK = 0xFFFF
+
+cdef int* _armed = cxl_crash_armed_ptr()
 
 
 class LockTimeout(CxlrtError, TimeoutError):
@@ -84,11 +91,8 @@ cdef inline int _observe2(const cxl_region* r, uint64_t off, uint64_t* v) noexce
 
 
 cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil:
-    """1 if node j's heartbeat is older than the lease (it attached, then went silent)."""
-    cdef uint64_t hb = 0
-    if _observe64(L.r, L.nodes_off + j * 256 + 8, &hb) != 0 or hb == 0:
-        return 0
-    return 1 if cxl_wall_ns() > hb + L.lease_ns else 0
+    """1 if node j's holds no longer count (liveness.pxd: dead, detached or never attached)."""
+    return cxl_node_gone(L.live, j)
 
 
 # --- bakery -----------------------------------------------------------------------
@@ -185,6 +189,8 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     if rc != 0:
         _bakery_withdraw(L, id)
         return rc
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.acquire.ticket")
     return _bakery_wait(L, id, ticket, deadline)
 
 
@@ -255,17 +261,22 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
 
 # --- manager mode ---------------------------------------------------------------------
 
-cdef inline uint64_t _grant_word(uint64_t node, uint64_t seq) noexcept nogil:
-    """The grant as ONE 8-byte word, (node + 1) << 56 | seq: a reader can never see
-    one node's id with another's request number (two words could tear)."""
-    return ((node + 1) << 56) | (seq & GRANT_SEQ_MASK)
+cdef inline uint64_t _grant_word(uint64_t node, uint64_t epoch, uint64_t seq) noexcept nogil:
+    """The grant as ONE 8-byte word: a reader can never see one node's id with another's
+    request number or another manager's epoch (several words could tear)."""
+    return ((node + 1) << 56) | ((epoch & GRANT_EPOCH_MASK) << 40) | (seq & GRANT_SEQ_MASK)
+
+
+cdef inline int _claim_epoch(cxl_lockctx* L, uint64_t* epoch) noexcept nogil:
+    """Observe the manager claim's epoch (written only by a takeover, under lock 0)."""
+    return _observe64(L.r, L.locks_off + 8, epoch)
 
 
 cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
-    """Publish a request on our line, then wait for the grant word to name it."""
+    """Publish a request on our line, then wait for a grant of the current manager."""
     cdef const cxl_region* r = L.r
     cdef uint64_t me = _line(L, id, L.node), g = _grant(L, id)
-    cdef uint64_t seq = 0, acq = 0, spins = 0, gw = 0, want
+    cdef uint64_t seq = 0, acq = 0, spins = 0, gw = 0, want, ep = 0
     cdef int rc = cxl_load64(r, me + 16, &seq)  # our own line: no observe needed
     if rc != 0:
         return rc
@@ -275,16 +286,24 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
         rc = cxl_persist(r, me, 64)
     if rc != 0:
         return rc
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.mgr.request")
     _slot(L, id).seq = seq
-    want = _grant_word(L.node, seq)
+    want = ((<uint64_t>L.node + 1) << 56) | (seq & GRANT_SEQ_MASK)
     while True:
         rc = _observe64(r, g, &gw)
         if rc != 0:
             break
-        if gw == want:
-            if cxl_load64(r, me + 32, &acq) == 0:
-                cxl_store64(r, me + 32, acq + 1)
-            return 0
+        if (gw & ~(GRANT_EPOCH_MASK << 40)) == want:
+            # Fencing: the claim is observed AFTER the grant, so a grant written by a
+            # manager superseded before we looked carries an epoch we now reject.
+            rc = _claim_epoch(L, &ep)
+            if rc != 0:
+                break
+            if ((gw >> 40) & GRANT_EPOCH_MASK) == (ep & GRANT_EPOCH_MASK):
+                if cxl_load64(r, me + 32, &acq) == 0:
+                    cxl_store64(r, me + 32, acq + 1)
+                return 0
         if unlikely((spins & 63) == 63) and cxl_now_ns() > deadline:
             rc = CXLRT_E_TIMEOUT
             break
@@ -304,43 +323,64 @@ cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return rc
 
 
-cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint32_t* last) noexcept nogil:
+ctypedef struct cxl_mgr_lock:
+    uint32_t last             # node granted last (round robin starts after it)
+    uint64_t wrote            # grant word we last published, 0 = none yet (adopt)
+
+
+cdef int _mgr_publish(cxl_lockctx* L, uint32_t id, uint64_t epoch, uint64_t w,
+                      cxl_mgr_lock* st) noexcept nogil:
+    """Write grant word w, unless we were superseded (then CXLRT_E_FENCED, nothing written)."""
+    cdef uint64_t ep = 0
+    cdef int rc = _claim_epoch(L, &ep)
+    if rc != 0:
+        return rc
+    if ep != epoch:
+        return CXLRT_E_FENCED
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.mgr.grant")
+    rc = cxl_store64(L.r, _grant(L, id), w)
+    if rc == 0:
+        rc = cxl_persist(L.r, _grant(L, id), 64)  # the grant: one word, one writer an epoch
+    st.wrote = w
+    return rc
+
+
+cdef int _mgr_outstanding(cxl_lockctx* L, uint32_t id, uint32_t j, uint64_t* req) noexcept nogil:
+    """1 if node j has a request in flight (req > rel) and counts (alive); its number."""
+    cdef uint64_t v[2]
+    if _observe2(L.r, _line(L, id, j) + 16, v) != 0:  # (req_seq, rel_seq) of node j
+        return 0
+    req[0] = v[0]
+    return 1 if v[0] > v[1] and not cxl_node_dead(L, j) else 0
+
+
+cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st) noexcept nogil:
     """One manager pass over lock `id`: detect release or death, grant round-robin."""
     cdef const cxl_region* r = L.r
-    cdef uint64_t g = _grant(L, id), gw = 0, gn, gs, req = 0, rel = 0
-    cdef uint64_t v[2]
-    cdef uint32_t d, j, h
-    cdef int rc = _observe64(r, g, &gw)  # our own word, but a restarted manager reads it too
+    cdef uint64_t gw = 0, gn, req = 0
+    cdef uint32_t d, j
+    cdef int rc = _observe64(r, _grant(L, id), &gw)
     if rc != 0:
         return rc
     gn = gw >> 56
-    gs = gw & GRANT_SEQ_MASK
     if gn != 0 and gn <= L.nodes:
-        h = <uint32_t>(gn - 1)
-        rc = _observe64(r, _line(L, id, h) + 24, &rel)
-        if rc != 0:
-            return rc
-        if rel < gs and not cxl_node_dead(L, h):
-            return 0  # still held
-        last[0] = h
+        j = <uint32_t>(gn - 1)
+        if _mgr_outstanding(L, id, j, &req) and (req & GRANT_SEQ_MASK) == (gw & GRANT_SEQ_MASK):
+            # Still held (or not yet taken). A word we did not write (a superseded
+            # manager's, or our predecessor's at takeover) is re-issued in our epoch.
+            if gw != st.wrote:
+                return _mgr_publish(L, id, epoch, _grant_word(j, epoch, req), st)
+            return 0
+        st.last = j
     for d in range(1, L.nodes + 1):
-        j = (last[0] + d) % L.nodes
-        rc = _observe2(r, _line(L, id, j) + 16, v)  # (req_seq, rel_seq) of node j
-        if rc != 0:
-            return rc
-        req = v[0]
-        rel = v[1]
-        if req > rel and not cxl_node_dead(L, j):
-            rc = cxl_store64(r, g, _grant_word(j, req))
-            if rc == 0:
-                rc = cxl_persist(r, g, 64)  # the grant: one word, one writer
-            last[0] = j
-            return rc
+        j = (st.last + d) % L.nodes
+        if _mgr_outstanding(L, id, j, &req):
+            st.last = j
+            return _mgr_publish(L, id, epoch, _grant_word(j, epoch, req), st)
     if gn != 0:
-        rc = cxl_store64(r, g, 0)
-        if rc == 0:
-            rc = cxl_persist(r, g, 64)
-    return rc
+        return _mgr_publish(L, id, epoch, 0, st)
+    return 0
 
 
 # --- both tiers ---------------------------------------------------------------------
@@ -382,24 +422,40 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         s.global_held = 0
     s.holder_pid = <uint32_t>cxl_pid()
     s.holder_tid = cxl_thread_id()
+    if unlikely(cxl_live_fenced(L.live)):
+        s.holder_pid = 0
+        s.holder_tid = 0
+        cxl_mutex_unlock(&s.m)
+        return CXLRT_E_FENCED
+    s.global_held = 1  # before any global write: a crash from here on is swept
     if mode == CXL_LOCK_BAKERY:
         rc = _bakery_acquire(L, id, deadline)
     else:
         rc = _mgr_acquire(L, id, deadline)
     if rc != 0:
+        s.global_held = 0
         s.holder_pid = 0
         s.holder_tid = 0
         cxl_mutex_unlock(&s.m)
         return rc
-    s.global_held = 1
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.acquire.held")
     return 0
 
 
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
-    """Leave the global tier (published), then the node-local mutex."""
+    """Leave the global tier (published), then the node-local mutex.
+
+    A process whose node was taken over by another life writes nothing global:
+    the new life cleared our lines and may be using them (CXLRT_E_FENCED).
+    """
     cdef cxl_local_lock* s = _slot(L, id)
     cdef int rc
-    if mode == CXL_LOCK_BAKERY:
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.release.before")
+    if unlikely(cxl_live_fenced(L.live)):
+        rc = CXLRT_E_FENCED
+    elif mode == CXL_LOCK_BAKERY:
         rc = _bakery_withdraw(L, id)
     else:
         rc = _mgr_release(L, id)
@@ -449,6 +505,39 @@ cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexce
     return rc
 
 
+cdef int cxl_lock_sweep(void* ctx) noexcept nogil:
+    """Give back every hold of a dead process of our node (the heartbeat's sweep).
+
+    Node-local only: a trylock of our own robust mutexes, and on EOWNERDEAD the
+    dead holder's lines, which our node alone writes. Never waits on another node.
+    """
+    cdef cxl_lockctx* L = <cxl_lockctx*>ctx
+    cdef cxl_local_lock* s
+    cdef uint32_t i, mode = 0
+    cdef int n = 0
+    for i in range(64):
+        s = _slot(L, i)
+        if s.holder_pid == 0 and s.global_held == 0:
+            continue  # nobody of our node is in this lock: nothing can be stale
+        if _observe_mode(L, i, &mode) == 0:
+            n += _recover_dead_holder(L, i, mode) == 1
+    return n
+
+
+cdef int _observe_mode(cxl_lockctx* L, uint32_t id, uint32_t* mode) noexcept nogil:
+    """The mode of lock record `id`, observed; CXLRT_E_LOCKSTATE if it is not a lock."""
+    cdef uint64_t w[2]
+    cdef int rc = cxl_flush(L.r, cxl_lock_record(L, id), 16)
+    if rc == 0:
+        rc = cxl_load(L.r, cxl_lock_record(L, id), w, 16)
+    if rc != 0:
+        return rc
+    mode[0] = <uint32_t>w[1]  # the low half of the (mode, name_len) word
+    if w[0] != CXL_LOCK_READY or (mode[0] != CXL_LOCK_BAKERY and mode[0] != CXL_LOCK_MANAGER):
+        return CXLRT_E_LOCKSTATE
+    return 0
+
+
 # --- Python layer -------------------------------------------------------------------
 
 cdef extern from *:
@@ -490,92 +579,58 @@ def _rc(int rc, str what):
 
 
 cdef class LockService:
-    """Per-Region lock machinery: node-local file, heartbeat thread, lock manager.
+    """Per-Region lock machinery: node-local lock slots and the lock manager.
 
     Created on first use by :meth:`cxlrt.Region.lock`; closed with the region.
+    The heartbeat belongs to the region's Liveness; this service only installs
+    the sweep that gives back dead siblings' holds.
     """
 
     cdef cxl_lockctx L
     cdef readonly Region region
     cdef readonly NodeLocal local
+    cdef readonly Liveness live
     cdef readonly double lease_s
     cdef object _stop
-    cdef object _beat_thread
     cdef object _mgr_thread
-    cdef public object lease_gaps     # times this process missed its own lease
-    cdef public object on_beat        # extra work each beat (allocator drains), or None
+    cdef readonly uint64_t mgr_epoch     # epoch of the manager we run, 0 = none
+    cdef readonly object mgr_exit        # why our manager stopped (None while running)
     cdef dict _modes
     cdef bint _closed
 
-    def __init__(self, Region region, unsigned long long lease_ms):
+    def __init__(self, Region region, Liveness live):
         self.region = region
-        self.local = NodeLocal(region.uuid, region.node)
+        self.live = live
+        self.local = live.local
         cdef cxl_region* r = region.backend.region()
         self.L.r = r
         self.L.local = <char*>self.local.locks
         self.L.locks_off = region.sections["locks"][0]
         self.L.nodes_off = region.sections["nodes"][0]
+        self.L.live = live.ctx()
         self.L.nodes = region.nodes
         self.L.node = region.node
         self.L.rec_bytes = (region.nodes + 2) * 64
-        self.L.lease_ns = lease_ms * 1_000_000
-        self.lease_s = lease_ms / 1000.0
-        self.lease_gaps = 0
-        self.on_beat = None
+        self.L.lease_ns = <uint64_t>region.lease_ms * 1_000_000
+        self.lease_s = region.lease_ms / 1000.0
         self._modes = {}
         self._closed = False
         self._stop = threading.Event()
         self._mgr_thread = None
-        if self.local.fresh:
-            self._forget_previous_life()
-        self._beat(first=True)
-        self._beat_thread = threading.Thread(target=self._beat_loop, daemon=True,
-                                             name=f"cxlrt-heartbeat-n{region.node}")
-        self._beat_thread.start()
+        self.mgr_epoch = 0
+        self.mgr_exit = None
+        live.set_sweep(cxl_lock_sweep, &self.L)
 
-    def _forget_previous_life(self):
-        """A new node-local file means no process of this node holds or waits on any
-        lock (a restarted host, or the first attach ever): withdraw whatever an
-        earlier incarnation of this node left on its lines, before we beat and
-        other nodes stop skipping us."""
-        for i in range(MAX_LOCKS):
-            h = read_header(self.region, i)
-            if h is not None:
-                _reset_node_line(self, i, h[1])
+    def sweep(self):
+        """Give back the holds of dead processes of our node now; how many."""
+        with nogil:
+            n = cxl_lock_sweep(&self.L)
+        return n
 
-    # heartbeat ---------------------------------------------------------------------
-    def _beat(self, first=False):
-        """Publish our heartbeat; clear holds left by dead processes of our node."""
-        cdef uint32_t i, mode
-        cdef cxl_local_lock* s
-        self.region.heartbeat()
-        for i in range(MAX_LOCKS):
-            s = _slot(&self.L, i)
-            if s.holder_pid == 0 and s.global_held == 0:
-                continue  # nobody of our node is in this lock: nothing can be stale
-            if i not in self._modes:
-                h = read_header(self.region, i)
-                if h is None:
-                    continue
-                self._modes[i] = h[1]
-            mode = self._modes[i]
-            with nogil:
-                _recover_dead_holder(&self.L, i, mode)
-
-    def _beat_loop(self):
-        period = max(0.01, self.lease_s / 8)
-        last = time.monotonic()
-        while not self._stop.wait(period):
-            now = time.monotonic()
-            if now - last > self.lease_s:
-                self.lease_gaps += 1  # others may have presumed us dead meanwhile
-            last = now
-            try:
-                self._beat()
-                if self.on_beat is not None:
-                    self.on_beat()
-            except RegionError:
-                return  # region closed under us
+    @property
+    def lease_gaps(self):
+        """Times this process was silent for longer than the lease."""
+        return self.live.stats()["gaps"]
 
     # lock table ------------------------------------------------------------------------
     cdef uint64_t _rec(self, uint32_t i):
@@ -644,85 +699,150 @@ cdef class LockService:
         return Lock(self, i, META_NAME if i == CXL_LOCK_META else ALLOC_NAME, self._modes[i])
 
     # manager -----------------------------------------------------------------------------
+    def _claim(self):
+        """(node + 1, epoch, incarnation, pid) of the manager claim, observed."""
+        r = self.region
+        r.flush(self.L.locks_off, 64)
+        raw = r.load(self.L.locks_off, 32)
+        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16, 24))
+
+    def _mgr_area(self, uint32_t node):
+        """(mgr_epoch, mgr_beat, mgr_pid) published by node's manager, observed."""
+        r = self.region
+        off = r.node_area(node) + 64
+        r.flush(off, 64)
+        raw = r.load(off, 24)
+        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+
+    def _mgr_running(self, claim):
+        """True if the claimed manager is running: its node is alive, it still serves the
+        claim's epoch and its pass counter moves within a lease (watched on our clock)."""
+        holder, epoch = claim[0], claim[1]
+        if not holder or holder > self.L.nodes:
+            return False
+        node = holder - 1
+        if self.live.state(node) != "alive":
+            return False
+        first = self._mgr_area(node)
+        if first[0] != epoch:
+            return False  # it stopped (cleanly) or never ran under this claim
+        deadline = time.monotonic() + self.lease_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.01, self.lease_s / 8))
+            now = self._mgr_area(node)
+            if now[0] != epoch:
+                return False
+            if now[1] != first[1]:
+                return True
+        return False
+
     def start_manager(self):
-        """Claim the lock-manager role (under lock 0) and grant in a background thread."""
+        """Claim the lock-manager role and grant in a background thread.
+
+        A claimed manager that still runs (its node alive, its passes counting) is
+        never superseded; one that stopped or stalled past a lease is. Taking over
+        bumps the epoch, which fences every grant the old manager could still write.
+        """
         if self._mgr_thread is not None:
             return
         r = self.region
-        claim = self.L.locks_off
-        with self.builtin(CXL_LOCK_META):
-            holder, pid, beat = self._claim()
-            alive = holder and time.time_ns() - beat < self.L.lease_ns
-            if alive and (holder - 1, pid) != (r.node, os.getpid()):
-                raise RegionError(f"a lock manager is already running (node {holder - 1}, "
-                                  f"pid {pid}); only one may write the grant lines")
-            self._claim_beat()
-        self._mgr_thread = threading.Thread(target=self._mgr_loop, daemon=True,
+        claim = self._claim()
+        if self._mgr_running(claim):
+            raise RegionError(f"a lock manager is already running (node {claim[0] - 1}, "
+                              f"pid {claim[3]}); only one may write the grant lines")
+        with self.builtin(CXL_LOCK_META) as meta:
+            now = self._claim()
+            if now != claim and self._mgr_running(now):
+                raise RegionError(f"a lock manager started meanwhile (node {now[0] - 1}, "
+                                  f"pid {now[3]})")
+            meta.check()  # a lease lost while we watched: do not write the claim
+            epoch = (now[1] + 1) & 0xFFFFFFFFFFFFFFFF or 1
+            off = self.L.locks_off
+            r.store64(off + 8, epoch)
+            r.store64(off + 16, self.live.incarnation)
+            r.store64(off + 24, os.getpid())
+            r.store64(off, r.node + 1)
+            r.persist(off, 64)  # the claim: one line, written only under lock 0
+        self.mgr_epoch = epoch
+        self.mgr_exit = None
+        self._mgr_beat(epoch)
+        self._mgr_thread = threading.Thread(target=self._mgr_loop, args=(epoch,), daemon=True,
                                             name="cxlrt-lockmgr")
         self._mgr_thread.start()
 
-    def _claim(self):
-        """(node + 1, pid, beat) of the manager claim, observed as one snapshot."""
+    def _mgr_beat(self, uint64_t epoch):
+        """Publish our manager's epoch and a new pass count in our own node area."""
         r = self.region
-        r.flush(self.L.locks_off, 64)
-        raw = r.load(self.L.locks_off, 24)
-        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in (0, 8, 16))
+        off = r.node_area(r.node) + 64
+        r.store64(off, epoch)
+        r.store64(off + 8, (r.load64(off + 8) + 1) & 0xFFFFFFFFFFFFFFFF)
+        r.store64(off + 16, os.getpid())
+        r.persist(off, 64)
 
-    def _claim_beat(self):
-        r = self.region
-        claim = self.L.locks_off
-        r.store64(claim, r.node + 1)
-        r.store64(claim + 8, os.getpid())
-        r.store64(claim + 16, time.time_ns())
-        r.persist(claim, 64)
-
-    def _mgr_loop(self):
-        cdef uint32_t last[64]
+    def _mgr_loop(self, uint64_t epoch):
+        cdef cxl_mgr_lock st[64]
         cdef uint32_t ids[64]
         cdef uint32_t n = 0, k
         cdef int rc = 0
         cdef uint64_t until
         for k in range(64):
-            last[k] = 0
+            st[k].last = 0
+            st[k].wrote = 0
         # The pass sleeps ~20 us; the default 50 us timer slack would stretch it.
         cxl_set_timerslack_1ns()
         while not self._stop.is_set():
             try:
+                if self._claim()[1] != epoch:
+                    self.mgr_exit = "superseded by another manager"
+                    return
                 n = 0
                 for i in range(MAX_LOCKS):
                     h = self._read_header(i)
                     if h is not None and h[1] == CXL_LOCK_MANAGER:
                         ids[n] = i
                         n += 1
-                self._claim_beat()
-            except RegionError:
+                self._mgr_beat(epoch)
+            except RegionError as e:
+                self.mgr_exit = str(e)
                 return
             until = cxl_now_ns() + 100_000_000  # rescan the table every 100 ms
             with nogil:
                 while cxl_now_ns() < until and rc == 0:
                     for k in range(n):
-                        rc = _mgr_step(&self.L, ids[k], &last[ids[k]])
+                        rc = _mgr_step(&self.L, ids[k], epoch, &st[ids[k]])
                         if rc != 0:
                             break
                     cxl_backoff_short()
+            if rc == CXLRT_E_FENCED:
+                self.mgr_exit = "superseded by another manager"
+                return
             if rc != 0:
+                self.mgr_exit = f"status {rc}"
                 return
 
     def stop_manager(self):
-        """Stop granting (the claim expires after one lease)."""
+        """Stop granting; claimants take over at once (our node area says we stopped)."""
         t = self._mgr_thread
         if t is not None:
             self._stop.set()
             t.join()
             self._mgr_thread = None
+            if not self.region.closed:
+                r = self.region
+                off = r.node_area(r.node) + 64
+                r.store64(off, 0)
+                r.persist(off, 64)
             if not self._closed:
                 self._stop = threading.Event()
+            self.mgr_epoch = 0
 
     def manager_info(self):
-        holder, pid, beat = self._claim()
-        if not holder:
+        """The claimed manager: node, pid, epoch, and whether it is running now."""
+        claim = self._claim()
+        if not claim[0]:
             return None
-        return {"node": holder - 1, "pid": pid, "age_s": (time.time_ns() - beat) / 1e9}
+        return {"node": claim[0] - 1, "pid": claim[3], "epoch": claim[1],
+                "running": self._mgr_running(claim)}
 
     def node_dead(self, uint32_t j):
         return bool(cxl_node_dead(&self.L, j))
@@ -730,12 +850,10 @@ cdef class LockService:
     def close(self):
         if self._closed:
             return
+        self.stop_manager()
         self._closed = True
         self._stop.set()
-        if self._mgr_thread is not None:
-            self._mgr_thread.join()
-        self._beat_thread.join()
-        self.local.close()
+        self.live.set_sweep(NULL, NULL)
 
 
 cdef class Lock:
@@ -751,7 +869,7 @@ cdef class Lock:
     cdef readonly str name
     cdef uint32_t _mode
     cdef readonly bint recovered   # the last acquire took over from a dead holder
-    cdef object _gaps_at_acquire
+    cdef uint64_t _t0              # our monotonic ns when the current hold's acquire began
 
     def __init__(self, LockService svc, uint32_t index, str name, uint32_t mode):
         self.svc = svc
@@ -759,6 +877,7 @@ cdef class Lock:
         self.name = name
         self._mode = mode
         self.recovered = False
+        self._t0 = 0
 
     @property
     def mode(self):
@@ -768,33 +887,60 @@ cdef class Lock:
         """Block until held (True), or until `timeout` seconds pass (False)."""
         cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
         cdef uint64_t t = <uint64_t>-1 if timeout is None else <uint64_t>(max(0.0, timeout) * 1e9)
+        cdef uint64_t t0
         cdef int rc, rec = 0
         if s.holder_tid == cxl_thread_id() and s.holder_pid == <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is already held by this thread "
                                "(cxlrt locks are not re-entrant)")
         self.svc.region.backend.region()  # raises if the region is closed
         with nogil:
+            t0 = cxl_now_ns()  # a silence while we wait in the queue counts too
             rc = cxl_lock_acquire(&self.svc.L, self.index, self._mode, t, &rec)
         self.recovered = bool(rec)
         if rc == CXLRT_E_TIMEOUT:
             return False
+        if rc == CXLRT_E_FENCED:
+            raise LeaseLost(f"lock {self.name!r}: node {self.svc.L.node} was taken over by "
+                            "another process group while this one was silent; this process "
+                            "may no longer act as the node")
         _rc(rc, f"acquire {self.name!r}")
-        self._gaps_at_acquire = self.svc.lease_gaps
+        self._t0 = t0
         return True
 
     def release(self):
-        """Release; LeaseLost if this node went silent past its lease while holding."""
+        """Release; LeaseLost if this process was silent past its lease at any time since
+        its acquire began (other nodes may have held the lock meanwhile)."""
         cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
-        cdef int rc
+        cdef int rc, silent
         if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is not held by this thread")
         with nogil:
+            # Judged before we publish the release: a gap that is still open now
+            # (we just resumed) is visible to our own clock even if the beat thread
+            # has not run since.
+            silent = cxl_live_silent_since(self.svc.L.live, self._t0)
             rc = cxl_lock_release(&self.svc.L, self.index, self._mode)
-        _rc(rc, f"release {self.name!r}")
-        if self.svc.lease_gaps != self._gaps_at_acquire:
+        if rc != CXLRT_E_FENCED:
+            _rc(rc, f"release {self.name!r}")
+        if silent or rc == CXLRT_E_FENCED:
             raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
-                            f"the {self.svc.lease_s} s lease while holding it; another node "
-                            "may have held it at the same time")
+                            f"the {self.svc.lease_s} s lease while holding or waiting for "
+                            "it; another node may have held it at the same time")
+
+    def check(self):
+        """Seconds of validity left to this hold; LeaseLost if it is already suspect.
+
+        A long critical section calls this before it publishes: if the answer is
+        smaller than the time its next write takes, stop. The figure assumes the
+        heartbeat keeps beating; a stall after this call is caught by release().
+        """
+        cdef cxl_local_lock* s = _slot(&self.svc.L, self.index)
+        if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
+            raise RuntimeError(f"lock {self.name!r} is not held by this thread")
+        if cxl_live_silent_since(self.svc.L.live, self._t0):
+            raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
+                            f"the {self.svc.lease_s} s lease since it began to acquire it")
+        return max(0.0, cxl_live_remaining_ns(self.svc.L.live) / 1e9)
 
     def locked(self):
         """True if some node holds (or is taking) the lock right now."""
@@ -804,12 +950,13 @@ cdef class Lock:
             g = rec + 64 * (1 + self.svc.L.nodes)
             r.flush(g, 64)
             gw = r.load64(g)
-            gn, gs = gw >> 56, gw & ((1 << 56) - 1)
-            if not gn:
+            gn, gs = gw >> 56, gw & ((1 << 40) - 1)
+            if not gn or gn > self.svc.L.nodes:
                 return False
             ln = rec + 64 * gn
             r.flush(ln, 64)
-            return r.load64(ln + 24) < gs
+            req, rel = r.load64(ln + 16), r.load64(ln + 24)
+            return req > rel and req & ((1 << 40) - 1) == gs
         for j in range(self.svc.L.nodes):
             ln = rec + 64 * (1 + j)
             r.flush(ln, 64)
@@ -873,6 +1020,32 @@ def builtin_headers(unsigned long long locks_off, int nodes):
 def _ctx_address(LockService svc):
     """Address of a service's lock context, for sibling modules (same process only)."""
     return <size_t>&svc.L
+
+
+def forget_node_lines(region):
+    """A new life of our node: withdraw every ticket and request its lines still show,
+    and the manager role it ran. No process of this life holds or waits on anything
+    yet (the caller holds the node-local flock), and the lines are ours alone."""
+    node = region.node
+    for i in range(MAX_LOCKS):
+        try:
+            h = read_header(region, i)
+        except RegionError:
+            continue  # a corrupt record is `cxlrt check`'s to report
+        if h is None:
+            continue
+        ln = record_offset(region, i) + 64 * (1 + node)
+        region.flush(ln, 64)
+        if h[1] == CXL_LOCK_BAKERY:
+            region.store64(ln, 0)
+            region.store64(ln + 8, 0)
+        else:
+            region.store64(ln + 24, region.load64(ln + 16))
+        region.persist(ln, 64)
+    off = region.node_area(node) + 64
+    region.flush(off, 64)
+    region.store64(off, 0)  # mgr_epoch: no manager runs in the new life
+    region.persist(off, 64)
 
 
 def _reset_node_line(LockService svc, uint32_t i, uint32_t mode):

@@ -13,6 +13,18 @@ from cxlrt.mapping cimport Mapping
 cdef enum:
     CXL_LOCAL_LOCK_BYTES = 128
     CXL_LOCAL_CLASSES = 16
+    CXL_LOCAL_COUNTER_OFF = 64   # the node's heartbeat counter (host atomics)
+    CXL_LOCAL_INC_OFF = 72       # the node's incarnation this file belongs to
+    CXL_LOCAL_PROCS_OFF = 128    # process table: who of this node is attached
+    CXL_LOCAL_PROC_BYTES = 32
+    CXL_LOCAL_PROCS = 124        # (4096 - 128) / 32 processes of one node at once
+
+
+ctypedef struct cxl_local_proc:
+    uint64_t pid              # 0 = free slot
+    uint64_t start            # its start time (clock ticks after boot): pid reuse tells
+    uint64_t pidns            # inode of its pid namespace
+    uint64_t reserved
 
 
 ctypedef struct cxl_local_lock:
@@ -40,3 +52,6 @@ cdef class NodeLocal:
     cdef readonly bint fresh       # we created the file: no process of this node held anything
     cdef cxl_local_lock* locks     # CXL_MAX_LOCKS slots, CXL_LOCAL_LOCK_BYTES apart
     cdef cxl_local_heap* heap
+    cdef uint64_t* counter         # heartbeat counter of the node (atomic add)
+    cdef uint64_t* inc             # incarnation of the node's life this file serves
+    cdef cxl_local_proc* procs     # CXL_LOCAL_PROCS records, edited under the file's flock

@@ -1,18 +1,21 @@
 # cython: language_level=3
 """The node-local file: robust mutexes and caches shared by one node's processes."""
 
+import contextlib
 import fcntl
 import glob
 import os
 import struct
 import tempfile
 
+from libc.stdint cimport uint64_t
+
 from cxlrt.layout cimport CXL_MAX_LOCKS
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.shm import init_robust_mutexes
 
-MAGIC = int.from_bytes(b"CXLLOCL1", "little")
+MAGIC = int.from_bytes(b"CXLLOCL2", "little")
 HEADER = struct.Struct("<QQII")  # magic, region uuid, node, max locks
 LOCKS_OFF = 4096
 HEAP_OFF = LOCKS_OFF + CXL_MAX_LOCKS * CXL_LOCAL_LOCK_BYTES
@@ -20,6 +23,8 @@ TOTAL = HEAP_OFF + 4096
 
 assert sizeof(cxl_local_lock) <= CXL_LOCAL_LOCK_BYTES
 assert sizeof(cxl_local_heap) <= 4096
+assert sizeof(cxl_local_proc) == CXL_LOCAL_PROC_BYTES
+assert CXL_LOCAL_PROCS_OFF + CXL_LOCAL_PROCS * CXL_LOCAL_PROC_BYTES <= LOCKS_OFF
 
 
 def local_dir():
@@ -65,33 +70,90 @@ def _build(path, uuid, node):
 
 
 cdef class NodeLocal:
-    """Map (creating if needed) the node-local file of (region format `uuid`, `node`)."""
+    """Map (creating if needed) the node-local file of (region format `uuid`, `node`).
 
-    def __init__(self, unsigned long long uuid, int node):
+    `on_open(self)`, when given, runs while the file's flock is still held: no
+    other process of the node can map the file before it returns, so what it
+    does to a fresh file (forget an earlier life of the node) cannot race a
+    sibling's attach.
+    """
+
+    def __init__(self, unsigned long long uuid, int node, on_open=None):
         self.path = local_path(uuid, node)
-        lock_path = self.path + ".init"
-        # Creation is serialised so every process of the node maps the same file.
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with self.serialised():
             self.fresh = False
             if not _valid(self.path, uuid, node):
                 os.replace(_build(self.path, uuid, node), self.path)
                 self.fresh = True
             self.mapping = Mapping(self.path, TOTAL)
+            self.locks = <cxl_local_lock*>(self.mapping.base + <size_t>LOCKS_OFF)
+            self.heap = <cxl_local_heap*>(self.mapping.base + <size_t>HEAP_OFF)
+            self.counter = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_COUNTER_OFF)
+            self.inc = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_INC_OFF)
+            self.procs = <cxl_local_proc*>(self.mapping.base + <size_t>CXL_LOCAL_PROCS_OFF)
+            if on_open is not None:
+                on_open(self)
+
+    @contextlib.contextmanager
+    def serialised(self):
+        """Hold the node's flock: attach, detach and file creation are one at a time."""
+        fd = os.open(self.path + ".init", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
         finally:
             os.close(fd)
-        self.locks = <cxl_local_lock*>(self.mapping.base + <size_t>LOCKS_OFF)
-        self.heap = <cxl_local_heap*>(self.mapping.base + <size_t>HEAP_OFF)
 
     def close(self):
         self.mapping.close()
+
+    @property
+    def incarnation(self):
+        """The node's incarnation this file serves (0 before the first attach)."""
+        return self.inc[0]
+
+    @incarnation.setter
+    def incarnation(self, uint64_t v):
+        self.inc[0] = v
 
     def lock_slot(self, int i):
         """Holder pid, tid, global_held and recovered count of local lock slot i."""
         cdef cxl_local_lock* s = <cxl_local_lock*>(<char*>self.locks + i * CXL_LOCAL_LOCK_BYTES)
         return {"holder_pid": s.holder_pid, "holder_tid": s.holder_tid,
                 "global_held": s.global_held, "recovered": s.recovered}
+
+    def busy_slots(self):
+        """Indexes of lock slots a process of this node holds or held when it died."""
+        cdef cxl_local_lock* s
+        cdef int i
+        out = []
+        for i in range(CXL_MAX_LOCKS):
+            s = <cxl_local_lock*>(<char*>self.locks + i * CXL_LOCAL_LOCK_BYTES)
+            if s.holder_pid or s.global_held:
+                out.append(i)
+        return out
+
+    # process table (callers hold serialised()) ----------------------------------
+    def procs_list(self):
+        """[(slot, pid, start, pidns)] of the recorded processes."""
+        cdef int i
+        return [(i, self.procs[i].pid, self.procs[i].start, self.procs[i].pidns)
+                for i in range(CXL_LOCAL_PROCS) if self.procs[i].pid]
+
+    def proc_add(self, uint64_t pid, uint64_t start, uint64_t pidns):
+        """Record a process; its slot, or -1 when the table is full."""
+        cdef int i
+        for i in range(CXL_LOCAL_PROCS):
+            if self.procs[i].pid == 0:
+                self.procs[i].start = start
+                self.procs[i].pidns = pidns
+                self.procs[i].pid = pid
+                return i
+        return -1
+
+    def proc_remove(self, int i):
+        if 0 <= i < CXL_LOCAL_PROCS:
+            self.procs[i].pid = 0
 
 
 def remove_files(unsigned long long uuid, int nodes):

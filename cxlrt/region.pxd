@@ -15,7 +15,7 @@ cdef class Region:
     cdef object _locks             # LockService, created on first use
     cdef object _heap              # Allocator, created on first use
     cdef object _dir               # Directory, created on first use
-    cdef bint _announced           # we wrote a heartbeat: clear it on a clean close
+    cdef object _live              # Liveness: our membership of the node (None: observer)
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
 

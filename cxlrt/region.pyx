@@ -100,19 +100,14 @@ cdef class Region:
         self.lease_ms = info["lease_ms"]
         self.sections = dict(info["sections"])
         if announce:
-            self.heartbeat(attach=True)
-            self._announced = True
+            from cxlrt.liveness import Liveness
+            self._live = Liveness(self)
 
-    def heartbeat(self, bint attach=False):
-        """Publish this node's liveness (pid, wall clock) in its node area."""
-        area = self.node_area(self.r.node)
-        if attach:
-            self.flush(area + 16, 8)  # observe before the read-modify-write
-            self.store64(area + 16, (self.load64(area + 16) + 1) & 0xFFFFFFFFFFFFFFFF)
-            self.store64(area + 24, _sb.host_id())
-        self.store64(area, os.getpid())
-        self.store64(area + 8, time.time_ns())
-        self.persist(area, 32)
+    @property
+    def liveness(self):
+        """This process's membership of its node (heartbeat, node states), or None for an
+        observer."""
+        return self._live
 
     def node_area(self, int node):
         """Offset of node `node`'s area (written only by that node)."""
@@ -124,32 +119,41 @@ cdef class Region:
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
+        live, self._live = self._live, None
+        if self._locks is not None:
+            self._locks.stop_manager()
+        if live is not None and not self.r.closed:
+            # Give back what dead processes of our node hold before we may declare
+            # the node detached: a detach never hides a dead sibling's holds.
+            svc = self._locks
+            if svc is None and live.local.busy_slots():
+                svc = self.locks_for(live)
+            live.close(sweep=svc.sweep if svc is not None else None)
         if self._locks is not None:
             self._locks.close()
             self._locks = None
         self._heap = None
-        if self._announced and not self.r.closed:
-            # A clean detach: heartbeat 0 reads as "not attached", never as dead.
-            # (Another process of this node that holds locks beats again within
-            # lease/8, so it is not mistaken for a detached node.)
-            area = self.node_area(self.r.node)
-            self.store64(area + 8, 0)
-            self.persist(area, 16)
-            self._announced = False
         self.backend.close()
 
     # --- locks, allocator, directory ------------------------------------------------
 
     @property
     def locks(self):
-        """The region's LockService (node-local file, heartbeat, lock manager)."""
+        """The region's LockService (node-local lock slots, lock manager)."""
         if self._locks is None:
-            from cxlrt.lock import LockService
             self.backend.region()  # raises if closed
-            svc = LockService(self, self.lease_ms)
-            svc.ensure_builtin()
-            self._locks = svc
+            if self._live is None:
+                raise RegionError(f"{self.spec}: attached as an observer, which takes no "
+                                  "locks; open it as a node")
+            self._locks = self.locks_for(self._live)
         return self._locks
+
+    def locks_for(self, live):
+        from cxlrt.lock import LockService
+        svc = LockService(self, live)
+        svc.ensure_builtin()
+        self._locks = svc
+        return svc
 
     def lock(self, str name, *, mode=None):
         """The cross-node lock called `name`, created on first use.

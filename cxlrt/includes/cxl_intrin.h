@@ -167,7 +167,8 @@ static inline uint64_t cxl_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Wall clock: comparable across hosts (NTP/PTP-synchronised), used for leases. */
+/* Wall clock: shown to people and stamped for statistics; never used to judge
+ * liveness (clocks of different hosts disagree: liveness.pxd). */
 static inline uint64_t cxl_wall_ns(void)
 {
     struct timespec ts;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -111,12 +112,17 @@ def test_attach_records_heartbeat(backend):
     r = backend.open(2)
     info = cxlrt.inspect(backend.spec())
     assert info["nodes"] == 3
-    assert info["node_areas"][2]["attaches"] == 1
-    assert info["node_areas"][2]["heartbeat_age_s"] is not None
-    assert info["node_areas"][1]["heartbeat_age_s"] is None
-    r.close()  # a clean detach clears the heartbeat: never mistaken for a dead node
+    a = info["node_areas"][2]
+    assert a["attaches"] == 1 and a["state"] == "attached" and a["incarnation"] == 1
+    assert a["heartbeat_age_s"] is not None
+    assert info["node_areas"][1]["state"] == "never attached"
+    assert info["node_areas"][0]["state"] == "detached"
+    beat = a["beat"]
+    time.sleep(3 * r.lease_ms / 8000)  # a few beat periods
+    assert cxlrt.inspect(backend.spec())["node_areas"][2]["beat"] != beat  # it beats
+    r.close()  # a clean detach of the node's last process: detached, never "dead"
     info = cxlrt.inspect(backend.spec())
-    assert info["node_areas"][2]["heartbeat_age_s"] is None
+    assert info["node_areas"][2]["state"] == "detached"
     assert info["node_areas"][2]["attaches"] == 1
 
 

@@ -1,0 +1,78 @@
+# Liveness: the one place where cxlrt decides whether a node is alive (issue 9).
+#
+# Invariants:
+#  - A node is judged by its heartbeat COUNTER (cxl_node_area.beat), never by a
+#    clock: it is dead when the counter has not changed for a lease, timed on the
+#    observer's own monotonic clock. Clocks of different hosts are never compared.
+#  - Node states are distinct: never attached, attached (alive or dead by the
+#    rule above), detached (its last process left cleanly after giving back every
+#    hold of its dead siblings). Holds of a node that is not ALIVE do not count.
+#  - A node's area is written only by that node's processes, and its attach and
+#    detach steps only under the node-local flock, so two processes of one node
+#    starting together cannot undo each other.
+#  - The heartbeat is a C thread that only beats and sweeps node-local state: it
+#    never takes a lock another node can hold and never needs the GIL, so a slow
+#    peer or a busy interpreter cannot make a healthy node look dead.
+#  - A process judges its own silence from its own timestamps: a gap between two
+#    of its beats longer than the lease, or a current gap longer than the lease.
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+from cxlrt.backend cimport cxl_region
+from cxlrt.includes.mutex cimport pthread_mutex_t
+from cxlrt.nodelocal cimport NodeLocal
+
+
+cdef enum:
+    CXL_LIVE_NEVER = 0        # never attached since format
+    CXL_LIVE_ALIVE = 1        # attached, and its counter moved within the lease
+    CXL_LIVE_DETACHED = 2     # left cleanly
+    CXL_LIVE_DEAD = 3         # attached, and its counter stood still for a lease
+    CXL_LIVE_MAX_NODES = 64
+
+
+ctypedef int (*cxl_sweep_fn)(void* ctx) noexcept nogil
+
+
+ctypedef struct cxl_live:
+    const cxl_region* r
+    uint64_t nodes_off               # node areas
+    uint64_t lease_ns
+    uint64_t period_ns               # beat period (lease / 8)
+    uint32_t nodes
+    uint32_t node
+    uint64_t* counter                # node-local beat counter shared by the node's processes
+    uint64_t incarnation             # the node's life we attached in
+    uint64_t seen_beat[64]           # per node: counter we last saw
+    uint64_t seen_inc[64]            # per node: incarnation we last saw
+    uint64_t seen_at[64]             # per node: our monotonic ns when it last changed, 0 never
+    uint64_t last_beat               # our monotonic ns after our latest beat was published
+    uint64_t gap_end                 # our monotonic ns at the end of our latest silence > lease
+    uint64_t gaps                    # silences longer than the lease so far
+    uint64_t beats                   # beats published by this process
+    int stop                         # set by close(): the beat thread exits
+    int beat_rc                      # latest backend error the beat thread met, 0 none
+    int fenced                       # another life of our node took over: write nothing more
+    cxl_sweep_fn sweep               # node-local work each beat (dead holders), or NULL
+    void* sweep_ctx
+    pthread_mutex_t sweep_mu         # guards sweep/sweep_ctx against close() (process-private)
+
+
+cdef int cxl_live_fenced(cxl_live* V) noexcept nogil
+cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil
+cdef int cxl_node_gone(cxl_live* V, uint32_t j) noexcept nogil
+cdef int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil
+cdef int64_t cxl_live_remaining_ns(cxl_live* V) noexcept nogil
+
+
+cdef class Liveness:
+    cdef cxl_live V
+    cdef readonly NodeLocal local    # this node's node-local file
+    cdef readonly object region
+    cdef readonly int record         # our slot in the node-local process table
+    cdef object _thread_lock
+    cdef unsigned long _thread       # pthread_t of the beat thread, 0 none
+    cdef int _owner_pid              # the process that started it (fork safety)
+    cdef bint _closed
+
+    cdef cxl_live* ctx(self) noexcept
+    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx) noexcept

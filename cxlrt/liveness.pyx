@@ -1,0 +1,455 @@
+# cython: language_level=3
+"""Liveness: node states, process identity and the heartbeat (invariants in liveness.pxd).
+
+Every algorithm that must decide whether an owner is gone (lock waiters, the
+lock manager, KV writers and pins, channel roles, `cxlrt check`) asks here.
+"""
+
+import os
+import threading
+import time
+
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memset
+
+from cxlrt.backend cimport Backend, cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_store64
+from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
+                                    cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns)
+from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
+                                    cxl_atomic_store_release64, cxl_atomic_store_release_int,
+                                    cxl_plain_mutex_init, cxl_plain_mutex_lock,
+                                    cxl_plain_mutex_unlock, cxl_sleep_ns, cxl_thread_join,
+                                    cxl_thread_start)
+from cxlrt.layout cimport (CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED, CXL_NODE_NEVER)
+
+from cxlrt.errors import RegionError
+
+cdef enum:
+    AREA_BEAT = 0
+    AREA_STATE = 8
+    AREA_INC = 16
+    AREA_HOST = 24
+    AREA_BOOT = 32
+    AREA_PID = 40
+    AREA_ATTACHES = 48
+    AREA_WALL = 56
+    SLEEP_SLICE_NS = 5000000   # close() waits at most this long for the beat thread
+
+STATE_NAMES = {CXL_LIVE_NEVER: "never attached", CXL_LIVE_ALIVE: "alive",
+               CXL_LIVE_DETACHED: "detached", CXL_LIVE_DEAD: "dead"}
+
+
+# --- process identity: (boot id, pid namespace, pid, start time) ------------------------
+
+def process_start(pid):
+    """Start time of a process (clock ticks after boot), or 0 when unknown.
+
+    With the pid it names one process: a pid reused later has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def boot_id():
+    """16 bytes naming this boot of the host (zeros where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def boot_hash():
+    """The boot id folded to 64 bits (for the node area)."""
+    raw = boot_id()
+    return int.from_bytes(raw[:8], "little") ^ int.from_bytes(raw[8:], "little")
+
+
+def pid_namespace():
+    """Inode of this process's pid namespace (0 where unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def process_alive(pid, start, pidns=None):
+    """False only when the process is certainly gone (or its pid was reused).
+
+    A process of another pid namespace cannot be looked up by pid from here, so
+    it counts as alive: only its node's heartbeat can tell that it is gone.
+    """
+    if pidns is not None and pidns != pid_namespace():
+        return True
+    if pid == 0 or pid > 0x7fffffff:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = process_start(pid)
+    return not (start and now and now != start)
+
+
+def host_id():
+    from cxlrt.superblock import host_id as _host
+    return _host()
+
+
+# --- judging other nodes ------------------------------------------------------------
+
+cdef int cxl_live_fenced(cxl_live* V) noexcept nogil:
+    """1 once another life of our node has taken the node over: we must not write."""
+    return cxl_atomic_load_acquire_int(&V.fenced)
+
+
+cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil:
+    """CXL_LIVE_* of node j, judged by its counter on our own monotonic clock.
+
+    A node first seen now counts as alive until a whole lease of our time passes
+    without its counter moving. Unreadable or corrupt areas count as alive: a
+    wrong "dead" breaks mutual exclusion, a wrong "alive" only waits.
+    """
+    cdef uint64_t w[3]
+    cdef uint64_t off, now, at
+    if j >= V.nodes or j >= CXL_LIVE_MAX_NODES:
+        return CXL_LIVE_NEVER
+    if j == V.node:
+        return CXL_LIVE_ALIVE
+    off = V.nodes_off + <uint64_t>j * CXL_NODE_AREA
+    # Observe: drop our copy of the line, then load (pairs with the beat's persist).
+    if cxl_flush(V.r, off, 64) != 0 or cxl_load(V.r, off, w, 24) != 0:
+        return CXL_LIVE_ALIVE
+    if w[1] == CXL_NODE_NEVER:
+        return CXL_LIVE_NEVER
+    if w[1] == CXL_NODE_DETACHED:
+        return CXL_LIVE_DETACHED
+    now = cxl_now_ns()
+    at = cxl_atomic_load_relaxed64(&V.seen_at[j])
+    if (at == 0 or w[0] != cxl_atomic_load_relaxed64(&V.seen_beat[j])
+            or w[2] != cxl_atomic_load_relaxed64(&V.seen_inc[j])):
+        # Benign race between our threads: at worst a change is timed a little late.
+        cxl_atomic_store_relaxed64(&V.seen_beat[j], w[0])
+        cxl_atomic_store_relaxed64(&V.seen_inc[j], w[2])
+        cxl_atomic_store_relaxed64(&V.seen_at[j], now)
+        return CXL_LIVE_ALIVE
+    return CXL_LIVE_DEAD if now - at > V.lease_ns else CXL_LIVE_ALIVE
+
+
+cdef int cxl_node_gone(cxl_live* V, uint32_t j) noexcept nogil:
+    """1 if node j's claims no longer count: dead, detached or never attached."""
+    return 0 if cxl_node_state(V, j) == CXL_LIVE_ALIVE else 1
+
+
+# --- judging ourselves ---------------------------------------------------------------
+
+cdef int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil:
+    """1 if this process was silent past the lease at some point since t0 (our clock).
+
+    Either the beat thread saw a gap that ended after t0, or the gap is still
+    open now (we resumed and the beat thread has not run yet), or our node was
+    taken over by another life.
+    """
+    cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
+    if cxl_live_fenced(V):
+        return 1
+    if last != 0 and cxl_now_ns() > last + V.lease_ns:
+        return 1
+    return 1 if cxl_atomic_load_acquire64(&V.gap_end) >= t0 else 0
+
+
+cdef int64_t cxl_live_remaining_ns(cxl_live* V) noexcept nogil:
+    """Nanoseconds until others may judge us dead if we stopped beating now."""
+    cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
+    if cxl_live_fenced(V):
+        return -1
+    return <int64_t>(last + V.lease_ns) - <int64_t>cxl_now_ns()
+
+
+# --- the heartbeat ---------------------------------------------------------------------
+
+cdef int _beat(cxl_live* V) noexcept nogil:
+    """Publish a new counter value; refuse if another life of our node took over."""
+    cdef uint64_t off = V.nodes_off + <uint64_t>V.node * CXL_NODE_AREA, inc = 0, v
+    cdef int rc = cxl_flush(V.r, off, 64)  # observe our incarnation word
+    if rc == 0:
+        rc = cxl_load64(V.r, off + AREA_INC, &inc)
+    if rc != 0:
+        return rc
+    if inc != V.incarnation:
+        cxl_atomic_store_release_int(&V.fenced, 1)
+        return 0
+    v = cxl_atomic_add_relaxed64(V.counter, 1)  # unique across the node's processes
+    rc = cxl_store64(V.r, off + AREA_BEAT, v)
+    if rc == 0:
+        rc = cxl_store64(V.r, off + AREA_WALL, cxl_wall_ns())
+    if rc == 0:
+        rc = cxl_persist(V.r, off, 64)  # pairs with cxl_node_state's observe
+    return rc
+
+
+cdef void _beat_once(cxl_live* V) noexcept nogil:
+    """One beat, then the time bookkeeping that lets us judge our own silence."""
+    cdef int rc = _beat(V)
+    cdef uint64_t t, last
+    if rc != 0:
+        V.beat_rc = rc
+        return
+    t = cxl_now_ns()
+    last = cxl_atomic_load_acquire64(&V.last_beat)
+    if last != 0 and t - last > V.lease_ns:
+        V.gaps += 1
+        cxl_atomic_store_release64(&V.gap_end, t)  # before last_beat: see silent_since
+    cxl_atomic_store_release64(&V.last_beat, t)
+    V.beats += 1
+
+
+cdef void* _beat_main(void* arg) noexcept nogil:
+    """The heartbeat thread: beat every period; sweep node-local state. Nothing else."""
+    cdef cxl_live* V = <cxl_live*>arg
+    cdef uint64_t end
+    while not cxl_atomic_load_acquire_int(&V.stop):
+        end = cxl_now_ns() + V.period_ns
+        while not cxl_atomic_load_acquire_int(&V.stop) and cxl_now_ns() < end:
+            cxl_sleep_ns(min(SLEEP_SLICE_NS, V.period_ns))
+        if cxl_atomic_load_acquire_int(&V.stop) or cxl_live_fenced(V):
+            break
+        _beat_once(V)
+        cxl_plain_mutex_lock(&V.sweep_mu)
+        if V.sweep != NULL:
+            V.sweep(V.sweep_ctx)
+        cxl_plain_mutex_unlock(&V.sweep_mu)
+    return NULL
+
+
+cdef class Liveness:
+    """This process's membership of its node: attach, heartbeat, detach.
+
+    Created when a region is attached as a node (not as an observer). The node's
+    processes share a counter and a process table in the node-local file.
+    """
+
+    def __init__(self, region):
+        self.region = region
+        self._closed = False
+        self._thread = 0
+        self.record = -1
+        memset(&self.V, 0, sizeof(cxl_live))
+        cxl_plain_mutex_init(&self.V.sweep_mu)
+        self.V.r = (<Backend>region.backend).region()
+        self.V.nodes_off = region.sections["nodes"][0]
+        self.V.lease_ns = <uint64_t>region.lease_ms * 1000000
+        self.V.period_ns = max(self.V.lease_ns // 8, 1000000)
+        self.V.nodes = region.nodes
+        self.V.node = region.node
+        self.local = NodeLocal(region.uuid, region.node, on_open=self._attach_locked)
+        self._owner_pid = os.getpid()
+        cdef int rc = cxl_thread_start(&self._thread, _beat_main, &self.V)
+        if rc != 0:
+            self._thread = 0
+            raise OSError(-rc, "cannot start the heartbeat thread")
+
+    cdef cxl_live* ctx(self) noexcept:
+        return &self.V
+
+    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx) noexcept:
+        """Install (or with NULL remove) the beat thread's node-local sweep."""
+        cxl_plain_mutex_lock(&self.V.sweep_mu)
+        self.V.sweep = fn
+        self.V.sweep_ctx = ctx
+        cxl_plain_mutex_unlock(&self.V.sweep_mu)
+
+    # attach ------------------------------------------------------------------------
+    def _area(self):
+        """(beat, state, incarnation, host, boot, pid, attaches) of our node, observed."""
+        r = self.region
+        off = r.node_area(r.node)
+        r.flush(off, 64)
+        raw = r.load(off, 56)
+        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in range(0, 56, 8))
+
+    def _attach_locked(self, NodeLocal local):
+        """Join the node (node-local flock held: no sibling attaches or detaches now)."""
+        self.V.counter = local.counter
+        r = self.region
+        off = r.node_area(r.node)
+        beat, state, inc, host, boot, _, attaches = self._area()
+        me_host, me_boot = host_id(), boot_hash()
+        local_inc = local.incarnation
+        new_life = local.fresh or local_inc != inc
+        if new_life and state == CXL_NODE_ATTACHED:
+            # Our node-local state does not know the processes of this attach: an
+            # earlier life that crashed, or someone else attached as our node now.
+            self._wait_previous_life(beat, inc, host)
+        if new_life:
+            from cxlrt.lock import forget_node_lines
+            forget_node_lines(r)  # no process of this life holds or waits on a lock
+            inc = (inc + 1) & 0xFFFFFFFFFFFFFFFF or 1
+            local.incarnation = inc
+        self.V.incarnation = inc
+        rec = local.proc_add(os.getpid(), process_start(os.getpid()), pid_namespace())
+        if rec < 0:
+            self._reap(local)
+            rec = local.proc_add(os.getpid(), process_start(os.getpid()), pid_namespace())
+            if rec < 0:
+                raise RegionError(f"{r.spec}: node {r.node} already has the most attached "
+                                  "processes one node may have (124); close some regions")
+        self.record = rec
+        for field, value in ((AREA_INC, inc), (AREA_HOST, me_host), (AREA_BOOT, me_boot),
+                             (AREA_PID, os.getpid()),
+                             (AREA_ATTACHES, (attaches + 1) & 0xFFFFFFFFFFFFFFFF),
+                             (AREA_STATE, CXL_NODE_ATTACHED)):
+            r.store64(off + field, value)
+        r.persist(off, 64)
+        with nogil:
+            _beat_once(&self.V)  # alive from the first instant (and last_beat set)
+        if self.V.beat_rc:
+            raise RegionError(f"{r.spec}: cannot publish node {r.node}'s heartbeat "
+                              f"(status {self.V.beat_rc})")
+
+    def _wait_previous_life(self, uint64_t beat, uint64_t inc, uint64_t host):
+        """Take the node over only once its recorded life is silent for a lease."""
+        r = self.region
+        lease = self.V.lease_ns / 1e9
+        deadline = time.monotonic() + lease + 2 * self.V.period_ns / 1e9
+        while time.monotonic() < deadline:
+            time.sleep(self.V.period_ns / 1e9 / 2)
+            b, state, i = self._area()[:3]
+            if state != CXL_NODE_ATTACHED:
+                return
+            if (b, i) != (beat, inc):
+                where = "this host" if host == host_id() else f"host {host:016x}"
+                raise RegionError(
+                    f"{r.spec}: node {r.node} is attached and alive on {where} by processes "
+                    f"that do not share this one's node-local folder ({self.local_dir()}) "
+                    "or pid namespace. Give each host (or container) its own node id, and "
+                    "every process of one node the same $CXLRT_LOCAL_DIR.")
+
+    def local_dir(self):
+        from cxlrt.nodelocal import local_dir
+        return local_dir()
+
+    def _reap(self, local):
+        """Drop records of processes of our pid namespace that are gone."""
+        for slot, pid, start, pidns in local.procs_list():
+            if not process_alive(pid, start, pidns):
+                local.proc_remove(slot)
+
+    # state -------------------------------------------------------------------------
+    def state(self, uint32_t j):
+        """'never attached', 'alive', 'detached' or 'dead' (see liveness.pxd)."""
+        cdef int s
+        with nogil:
+            s = cxl_node_state(&self.V, j)
+        return STATE_NAMES[s]
+
+    def silent_since(self, uint64_t t0):
+        return bool(cxl_live_silent_since(&self.V, t0))
+
+    def remaining(self):
+        """Seconds before others may judge this node dead if it stopped beating now."""
+        return cxl_live_remaining_ns(&self.V) / 1e9
+
+    @property
+    def fenced(self):
+        return bool(cxl_live_fenced(&self.V))
+
+    @property
+    def incarnation(self):
+        return self.V.incarnation
+
+    def stats(self):
+        return {"beats": self.V.beats, "gaps": self.V.gaps, "fenced": bool(self.V.fenced),
+                "incarnation": self.V.incarnation, "beat_error": self.V.beat_rc}
+
+    # detach -------------------------------------------------------------------------
+    def _stop_thread(self):
+        if self._thread and self._owner_pid == os.getpid():
+            cxl_atomic_store_release_int(&self.V.stop, 1)
+            with nogil:
+                cxl_thread_join(self._thread)
+        self._thread = 0
+
+    def close(self, sweep=None):
+        """Leave the node: stop beating; `sweep()` gives back dead siblings' holds; the
+        last process of the node marks it detached. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        inherited = self._owner_pid != os.getpid()  # a forked child never joined
+        self._stop_thread()
+        if inherited:
+            return
+        r = self.region
+        try:
+            with self.local.serialised():
+                if sweep is not None:
+                    sweep()
+                self.local.proc_remove(self.record)
+                self._reap(self.local)
+                if not self.local.procs_list() and not self.V.fenced:
+                    off = r.node_area(r.node)
+                    r.store64(off + AREA_STATE, CXL_NODE_DETACHED)
+                    r.persist(off, 64)
+        finally:
+            self.local.close()
+
+    def __dealloc__(self):
+        if self._thread and self._owner_pid == os.getpid():
+            cxl_atomic_store_release_int(&self.V.stop, 1)
+            with nogil:
+                cxl_thread_join(self._thread)
+
+
+def survey(region, double window=-1.0):
+    """Every node's state as an observer judges it over `window` seconds (default: a
+    lease): [{node, state, beat, incarnation, host_id, pid, attaches, beat_age_s}].
+
+    An attached node whose counter does not move during the window is dead. The
+    wall-clock age is for people only.
+    """
+    if window < 0:
+        window = region.lease_ms / 1000.0
+    base = region.sections["nodes"][0]
+
+    def snap():
+        out = []
+        for n in range(region.nodes):
+            off = base + n * CXL_NODE_AREA
+            region.flush(off, 64)
+            raw = region.load(off, 64)
+            out.append(tuple(int.from_bytes(raw[i:i + 8], "little") for i in range(0, 64, 8)))
+        return out
+
+    first = snap()
+    t0 = time.monotonic()
+    moved = set()
+    attached = {n for n, a in enumerate(first) if a[1] == CXL_NODE_ATTACHED}
+    while attached - moved and time.monotonic() - t0 <= window:
+        time.sleep(min(0.05, window / 4 or 0.01))
+        for n, a in enumerate(snap()):
+            if (a[0], a[2]) != (first[n][0], first[n][2]) or a[1] != CXL_NODE_ATTACHED:
+                moved.add(n)
+    last = snap()
+    now = time.time_ns()
+    out = []
+    for n, a in enumerate(last):
+        beat, st, inc, host, boot, pid, attaches, wall = a
+        if st == CXL_NODE_NEVER:
+            state = "never attached"
+        elif st == CXL_NODE_DETACHED:
+            state = "detached"
+        elif st == CXL_NODE_ATTACHED:
+            state = "alive" if n in moved else "dead"
+        else:
+            state = f"corrupt state {st}"
+        out.append({"node": n, "state": state, "beat": beat, "incarnation": inc,
+                    "host_id": f"{host:016x}", "pid": pid, "attaches": attaches,
+                    "beat_age_s": round((now - wall) / 1e9, 3) if wall else None})
+    return out

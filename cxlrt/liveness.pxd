@@ -58,6 +58,7 @@ ctypedef struct cxl_live:
 
 
 cdef int cxl_live_fenced(cxl_live* V) noexcept nogil
+cdef int cxl_live_verify(cxl_live* V) noexcept nogil
 cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil
 cdef int cxl_node_gone(cxl_live* V, uint32_t j) noexcept nogil
 cdef int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil

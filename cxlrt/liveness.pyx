@@ -109,6 +109,20 @@ cdef int cxl_live_fenced(cxl_live* V) noexcept nogil:
     return cxl_atomic_load_acquire_int(&V.fenced)
 
 
+cdef int cxl_live_verify(cxl_live* V) noexcept nogil:
+    """Re-read our node's incarnation now (after a stall, before writing as the node).
+
+    1 if another life of the node took it over (we are fenced from then on).
+    """
+    cdef uint64_t off = V.nodes_off + <uint64_t>V.node * CXL_NODE_AREA, inc = 0
+    if cxl_live_fenced(V):
+        return 1
+    if cxl_flush(V.r, off, 64) == 0 and cxl_load64(V.r, off + AREA_INC, &inc) == 0:
+        if inc != V.incarnation:
+            cxl_atomic_store_release_int(&V.fenced, 1)
+    return cxl_live_fenced(V)
+
+
 cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil:
     """CXL_LIVE_* of node j, judged by its counter on our own monotonic clock.
 
@@ -176,14 +190,9 @@ cdef int64_t cxl_live_remaining_ns(cxl_live* V) noexcept nogil:
 
 cdef int _beat(cxl_live* V) noexcept nogil:
     """Publish a new counter value; refuse if another life of our node took over."""
-    cdef uint64_t off = V.nodes_off + <uint64_t>V.node * CXL_NODE_AREA, inc = 0, v
-    cdef int rc = cxl_flush(V.r, off, 64)  # observe our incarnation word
-    if rc == 0:
-        rc = cxl_load64(V.r, off + AREA_INC, &inc)
-    if rc != 0:
-        return rc
-    if inc != V.incarnation:
-        cxl_atomic_store_release_int(&V.fenced, 1)
+    cdef uint64_t off = V.nodes_off + <uint64_t>V.node * CXL_NODE_AREA, v
+    cdef int rc
+    if cxl_live_verify(V):  # observe our incarnation: a new life may own the area now
         return 0
     v = cxl_atomic_add_relaxed64(V.counter, 1)  # unique across the node's processes
     rc = cxl_store64(V.r, off + AREA_BEAT, v)

@@ -20,7 +20,7 @@ from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc
                                     cxl_load64_volatile, cxl_now_ns, cxl_pid,
                                     cxl_store64_volatile, unlikely)
 from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
-                             cxl_live_silent_since, cxl_node_gone)
+                             cxl_live_silent_since, cxl_live_verify, cxl_node_gone)
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
@@ -894,6 +894,10 @@ cdef class Lock:
                                "(cxlrt locks are not re-entrant)")
         self.svc.region.backend.region()  # raises if the region is closed
         with nogil:
+            if cxl_live_remaining_ns(self.svc.L.live) < 0:
+                # We were stalled and the beat thread has not run since: before we
+                # write as our node, make sure no other life took the node over.
+                cxl_live_verify(self.svc.L.live)
             t0 = cxl_now_ns()  # a silence while we wait in the queue counts too
             rc = cxl_lock_acquire(&self.svc.L, self.index, self._mode, t, &rec)
         self.recovered = bool(rec)

@@ -1,0 +1,370 @@
+"""Recovery that never lies (issue 9): each test is one way the earlier design broke
+mutual exclusion or wedged a lock, replayed through the public API on every backend.
+
+A "two holders" detector: inside the critical section a process writes its own tag
+to a shared word, yields, and reads the word back; anyone else's tag there means
+two processes held the lock at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import cxlrt
+import cxlrt.check
+from cxlrt.lock import LeaseLost
+from tests.nodes import _CTX, raise_failures, run_procs
+
+MODES = ["bakery", "manager"]
+LEASE = 0.5
+
+
+@pytest.fixture
+def reaper():
+    """Children a test starts; whatever the outcome, none is left stopped or running."""
+    procs = []
+    yield procs.append
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.join(5)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _stop_for(pid: int, seconds: float) -> None:
+    """SIGSTOP a process (waiting until it is really stopped), then resume it."""
+    os.kill(pid, signal.SIGSTOP)
+    while not _stopped(pid):
+        time.sleep(0.005)
+    time.sleep(seconds)
+    os.kill(pid, signal.SIGCONT)
+
+
+def _overlap_worker(spec, node, name, tag, seconds, barrier):
+    """Take the lock repeatedly for `seconds`; count sections that saw another tag."""
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock(name)
+    off = r.heap[0]
+    if barrier is not None:
+        barrier.wait()
+    end = time.monotonic() + seconds
+    n = overlaps = lost = 0
+    while time.monotonic() < end:
+        if not lock.acquire(timeout=5 * LEASE + 5):
+            continue
+        try:
+            r.store64(off, tag)
+            r.persist(off, 8)
+            os.sched_yield()
+            time.sleep(0.0005)
+            r.flush(off, 8)
+            overlaps += r.load64(off) != tag
+            n += 1
+        finally:
+            try:
+                lock.release()
+            except LeaseLost:
+                lost += 1  # reported, as it must be: not an overlap we missed
+    r.close()
+    return n, overlaps, lost
+
+
+# --- 3. a stalled holder is told, every time ----------------------------------------------
+
+def _hold_then_release(spec, node, mode, ready, go, when):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("stall", mode=mode)
+    if when == "waiting":
+        ready.set()  # the parent holds the lock: we queue behind it
+        lock.acquire()
+    else:
+        lock.acquire()
+        ready.set()
+    go.wait()
+    try:
+        lock.release()
+        out = "released"
+    except LeaseLost:
+        out = "LeaseLost"
+    r.close()
+    return out
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("when", ["holding", "waiting"])
+def test_a_holder_stalled_past_its_lease_is_told_every_time(backend, reaper, mode, when):
+    """Scenario 3: LeaseLost from release() in 5 of 5 runs, whether the process was
+    stopped while holding or while it waited in the queue."""
+    r0 = backend.create(nodes=3, lease=LEASE, lock_manager=(mode == "manager"))
+    lock0 = r0.lock("stall", mode=mode)
+    for _ in range(5):
+        ready, go = _CTX.Event(), _CTX.Event()
+        if when == "waiting":
+            lock0.acquire()
+        q = _CTX.Queue()
+        p = _CTX.Process(target=lambda: q.put(
+            _hold_then_release(backend.spec(), 1, mode, ready, go, when)))
+        p.start()
+        reaper(p)
+        assert ready.wait(30)
+        time.sleep(0.1)
+        _stop_for(p.pid, 3 * LEASE)
+        if when == "waiting":
+            lock0.release()
+        go.set()
+        assert q.get(timeout=30) == "LeaseLost", f"{mode}/{when}: a stall went unreported"
+        p.join(10)
+    r0.close()
+
+
+def test_check_reports_remaining_validity(backend):
+    r = backend.create(nodes=2, lease=2.0)
+    lock = r.lock("v")
+    with lock:
+        left = lock.check()
+        assert 0.5 < left <= 2.0
+    with pytest.raises(RuntimeError, match="not held"):
+        lock.check()
+    r.close()
+
+
+# --- 4. a clean detach never hides a dead sibling's hold --------------------------------
+
+def _hold_and_die(spec, node, mode):
+    r = cxlrt.open(spec, node=node)
+    r.lock("crash", mode=mode).acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _acquire_within(spec, node, name, timeout):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock(name)
+    t0 = time.monotonic()
+    ok = lock.acquire(timeout=timeout)
+    waited = time.monotonic() - t0
+    if ok:
+        lock.release()
+    r.close()
+    return ok, waited
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("mode", MODES)
+def test_a_clean_detach_gives_back_a_dead_siblings_hold(backend, reaper, mode):
+    """Scenario 4: a holder is SIGKILLed, then a sibling process of its node that
+    never used a lock detaches cleanly; the lock must not stay held for good."""
+    r0 = backend.create(nodes=3, lease=LEASE, lock_manager=(mode == "manager"))
+    r0.lock("crash", mode=mode)
+    sibling = backend.open(1)
+    p = _CTX.Process(target=_hold_and_die, args=(backend.spec(), 1, mode))
+    p.start()
+    reaper(p)
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    sibling.close()
+    (ok, waited), = raise_failures(run_procs(_acquire_within,
+                                             [(backend.spec(), 2, "crash", 10.0)]))
+    assert ok, "the dead sibling's hold outlived the clean detach"
+    assert waited < LEASE + 1.5, waited
+    assert cxlrt.inspect(backend.spec())["node_areas"][1]["state"] == "detached"
+    report = cxlrt.check.check(backend.spec())
+    assert not [p for p in report["problems"] if "lock" in p], report["problems"]
+    r0.close()
+
+
+# --- 5. two processes of one node starting together on a fresh host ---------------------
+
+def _start_and_contend(spec, node, local_dir, tag, barrier):
+    os.environ["CXLRT_LOCAL_DIR"] = local_dir
+    barrier.wait()
+    return _overlap_worker(spec, node, "fresh", tag, 0.15, None)
+
+
+@pytest.mark.crash
+@pytest.mark.slow
+def test_two_processes_of_a_node_starting_together_on_a_fresh_host(backend):
+    """Scenario 5: each round gives node 1 a new node-local folder (a fresh host) and
+    starts two of its processes at the same instant while node 2 contends; the
+    first one's cleanup of the node's earlier life must not undo the other's ticket."""
+    r0 = backend.create(nodes=3, lease=LEASE)
+    r0.lock("fresh")
+    rounds = 30 if backend.faulty else 60
+    overlaps = 0
+    for k in range(rounds):
+        local = os.path.join(backend.root, f"host{k}")
+        os.makedirs(local)
+        barrier = _CTX.Barrier(3)
+        args = [(backend.spec(), 1, local, 11, barrier), (backend.spec(), 1, local, 12, barrier),
+                (backend.spec(), 2, os.environ["CXLRT_LOCAL_DIR"], 20, barrier)]
+        res = raise_failures(run_procs(_start_and_contend, args, timeout=60))
+        overlaps += sum(o for _, o, _ in res)
+    assert overlaps == 0, f"{overlaps} critical sections overlapped in {rounds} fresh starts"
+    r0.close()
+
+
+# --- 2. a healthy node is never judged dead ----------------------------------------------
+
+def _owner_holds(spec, q, holding, done):
+    """Node 0: owns a small object, then holds lock 'x' for a while."""
+    r = cxlrt.open(spec, node=0)
+    q.put(r.alloc(64))  # an allocator of ours exists, and another node will free into it
+    lock = r.lock("x")
+    lock.acquire()
+    holding.set()
+    done.wait()
+    try:
+        lock.release()
+        out = "released"
+    except LeaseLost:
+        out = "LeaseLost"
+    r.close()
+    return out
+
+
+@pytest.mark.crash
+def test_a_slow_peer_cannot_make_a_healthy_node_look_dead(backend, reaper):
+    """Scenario 2: node 3 holds the allocator lock for many leases while a free is
+    queued for node 0, which holds lock 'x'. Node 0 is healthy: node 2 must not get
+    'x' (earlier, node 0's heartbeat waited on the allocator lock and stopped)."""
+    r = backend.create(nodes=4, lease=LEASE)
+    r.lock("x")
+    q, holding, done = _CTX.Queue(), _CTX.Event(), _CTX.Event()
+    out = _CTX.Queue()
+    p = _CTX.Process(target=lambda: out.put(_owner_holds(backend.spec(), q, holding, done)))
+    p.start()
+    reaper(p)
+    obj = q.get(timeout=30)
+    d = backend.open(3)
+    d.free(obj)  # a remote free: queued for node 0
+    alloc_lock = d.locks.builtin(1)
+    assert holding.wait(30)
+    with alloc_lock:
+        (ok, _), = raise_failures(run_procs(_acquire_within,
+                                            [(backend.spec(), 2, "x", 6 * LEASE)]))
+    done.set()
+    assert not ok, "node 2 took lock 'x' from healthy node 0"
+    assert out.get(timeout=30) == "released"  # and node 0 was never silent
+    p.join(10)
+    d.close()
+    r.close()
+
+
+# --- a superseded lock manager never writes again ----------------------------------------
+
+def _run_manager(spec, ready, go, out):
+    r = cxlrt.open(spec, node=0, lock_manager=True)
+    ready.set()
+    go.wait()
+    time.sleep(4 * LEASE)  # resumed: time to do damage, if it still granted
+    out.put(r.locks.mgr_exit)
+    r.close()
+
+
+@pytest.mark.crash
+def test_a_superseded_manager_resumes_and_stays_out(backend, reaper):
+    """A manager stalled past the lease is replaced; when it resumes it must stop
+    for good, and the locks it used to grant keep one holder at a time."""
+    r1 = backend.create(nodes=4, node=1, lease=LEASE)
+    r1.lock("m", mode="manager")
+    ready, go, out = _CTX.Event(), _CTX.Event(), _CTX.Queue()
+    old = _CTX.Process(target=_run_manager, args=(backend.spec(), ready, go, out))
+    old.start()
+    reaper(old)
+    assert ready.wait(30)
+    os.kill(old.pid, signal.SIGSTOP)
+    time.sleep(3 * LEASE)
+    r1.start_lock_manager()  # takes over: node 0 is silent past its lease
+    assert r1.locks.manager_info()["node"] == 1
+    os.kill(old.pid, signal.SIGCONT)
+    go.set()
+    barrier = _CTX.Barrier(2)
+    res = raise_failures(run_procs(_overlap_worker, [
+        (backend.spec(), 2, "m", 2, 1.5, barrier), (backend.spec(), 3, "m", 3, 1.5, barrier)]))
+    assert sum(o for _, o, _ in res) == 0, f"two holders of a manager lock: {res}"
+    assert all(n > 0 for n, _, _ in res), res
+    assert "superseded" in (out.get(timeout=30) or ""), "the old manager kept running"
+    assert r1.locks.manager_info()["node"] == 1
+    old.join(10)
+    r1.close()
+
+
+# --- two hosts attaching as one node -----------------------------------------------------
+
+def _attach_elsewhere(spec, node, local_dir):
+    os.environ["CXLRT_LOCAL_DIR"] = local_dir  # another host: its own node-local state
+    t0 = time.monotonic()
+    try:
+        r = cxlrt.open(spec, node=node)
+    except cxlrt.RegionError as e:
+        return "refused", str(e), time.monotonic() - t0
+    inc = r.liveness.incarnation
+    r.close()
+    return "attached", inc, time.monotonic() - t0
+
+
+def _live_node(spec, node, ready, go, out):
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("n")
+    ready.set()
+    go.wait()
+    try:
+        lock.acquire(timeout=5)
+        lock.release()
+        out.put("acquired")
+    except LeaseLost as e:
+        out.put(f"LeaseLost: {e}")
+    r.close()
+
+
+@pytest.mark.crash
+def test_a_second_host_attaching_as_a_live_node_is_refused(backend, reaper):
+    r0 = backend.create(nodes=3, lease=LEASE)
+    r0.lock("n")
+    ready, go, out = _CTX.Event(), _CTX.Event(), _CTX.Queue()
+    p = _CTX.Process(target=_live_node, args=(backend.spec(), 1, ready, go, out))
+    p.start()
+    reaper(p)
+    assert ready.wait(30)
+    other = os.path.join(backend.root, "other-host")
+    os.makedirs(other)
+    (what, msg, _), = raise_failures(run_procs(_attach_elsewhere, [(backend.spec(), 1, other)]))
+    assert what == "refused" and "alive" in msg and "node id" in msg, (what, msg)
+    # Stalled past the lease, the node is taken over by the other host; when the
+    # stalled process resumes it is fenced: it takes no lock as node 1 any more.
+    os.kill(p.pid, signal.SIGSTOP)
+    (what, inc, took), = raise_failures(run_procs(_attach_elsewhere, [(backend.spec(), 1, other)]))
+    assert what == "attached" and inc == 2, (what, inc)
+    assert took < LEASE + 2.0, took
+    os.kill(p.pid, signal.SIGCONT)
+    go.set()
+    assert out.get(timeout=30).startswith("LeaseLost")
+    p.join(10)
+    r0.close()
+
+
+# --- many nodes ------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_mutual_exclusion_16_nodes(backend, mode):
+    nodes = 16
+    r0 = backend.create(nodes=nodes, size="8M", lease=2.0, lock_manager=(mode == "manager"))
+    r0.lock("m16", mode=mode)
+    barrier = _CTX.Barrier(nodes - 1)
+    res = raise_failures(run_procs(
+        _overlap_worker, [(backend.spec(), n, "m16", 100 + n, 1.0, barrier)
+                          for n in range(1, nodes)], timeout=240))
+    assert sum(o for _, o, _ in res) == 0, res
+    assert sum(lost for _, _, lost in res) == 0, res
+    assert all(n > 0 for n, _, _ in res), res  # nobody starved
+    r0.close()

@@ -2,9 +2,10 @@
 
 Checks: superblock (at attach), node heartbeats, lock records and who holds or
 waits on them, the chunk table against small-chunk headers and bitmaps, the
-remote-free queues, and the directory against live chunks. Repair runs AS the
-dead node (after confirming it is silent past its lease), so every line it
-writes keeps its single writer.
+remote-free queues, the directory against live chunks and for entries left
+mid-change. Repair runs AS the dead node (after confirming it is silent past
+its lease), so every line it writes keeps its single writer; torn directory
+entries it finishes under the meta lock, as any directory writer would.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def check(spec: str) -> dict[str, Any]:
         dead_empty = [(k, o) for k, o in s.empty_small if nodes[o]["dead"]]
         for k, owner in dead_empty:
             problems.append(f"leak: empty chunk {k} is held by dead node {owner}")
-        directory = region.directory.items()
+        directory, torn = region.directory.scan()
+        problems += torn
         for name, off in directory:
             if off >= region.heap[0] and not heapscan.in_live_chunk(s, off):
                 problems.append(f"directory {name!r} -> {off:#x} points into free heap")
@@ -88,7 +90,7 @@ def check(spec: str) -> dict[str, Any]:
 
 
 def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
-    """Break a dead node's lock holds and reclaim its empty or leaked chunks."""
+    """Break a dead node's lock holds, finish torn directory entries, reclaim chunks."""
     info = cxlrt.inspect(spec)
     if not 0 <= node < info["nodes"]:
         raise ValueError(f"--node {node} is out of range (0..{info['nodes'] - 1})")
@@ -119,6 +121,9 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
         for name in held:
             if name not in still:
                 actions.append(f"released node {node}'s hold/request on lock {name!r}")
+        # Torn directory entries (a writer killed mid-change, of any node) are
+        # finished under the meta lock (taking it waits only on a live holder).
+        actions += region.directory.repair()
         applied = region._allocator.drain()
         if applied:
             actions.append(f"applied {applied} queued remote frees")

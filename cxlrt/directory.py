@@ -1,20 +1,64 @@
 """The directory: a small table of named root objects in the region.
 
-Entries are written only under lock 0 (the meta lock) and published with a
-seqlock generation (odd while being changed), so readers look names up without
-the lock and never see a torn entry.
+An entry is two 64-byte lines::
+
+    line 0  state (0 free, 1 used) · off · name_len · generation
+            redo: new state | name_len << 8 | (writer node + 1) << 16 · new off ·
+                  tag (the odd generation the record belongs to) · seal (checksum)
+    line 1  the name (NAME_BYTES of UTF-8)
+
+Entries are changed only under lock 0 (the meta lock), in steps that each
+leave a valid state behind, so a writer killed between any two of them never
+wedges the directory and never loses an acknowledged name:
+
+1. a new name goes into a free entry's name line first (readers ignore the
+   name of a free entry);
+2. the redo record, the complete new value, is published while the generation
+   is still even (readers ignore it);
+3. the generation goes odd: the change is decided from here on (its
+   linearisation point), and readers return the redo record's value;
+4. the body (state, off, name_len) is written from the redo record;
+5. the generation goes even again.
+
+Readers take no lock and never wait on a dead writer: they read both lines and
+re-read the generation (a seqlock). An odd generation whose redo record is
+sealed for it is read as the new value; a moving generation (a live writer
+between steps) makes them read again, with backoff. A torn entry (odd, left by
+a killed writer) is finished by the next put/delete, which settles every torn
+entry under the lock before it writes, or by ``cxlrt check --repair``. Finishing
+is idempotent (a repairer killed halfway leaves the same work to the next) and
+gives what readers already saw, so an interrupted overwrite shows the old value
+or the new one, never a torn one and never neither.
+
+A writer stalled past its lease and then resumed may have had its meta lock
+broken and its change finished or overwritten by others. Before each of its
+stores it re-reads the entry's generation and stops with LeaseLost if someone
+else moved it, and its ``release()`` raises LeaseLost as well. What it can
+still damage is bounded by one store made after that check: its own entry's
+name line (only while it saw the entry free), redo record (harmless unless
+another writer is between steps 2 and 3 on that entry), body or generation.
+It cannot touch any other entry, and nothing older than that one entry's last
+change.
 """
 
 from __future__ import annotations
 
 import struct
+import time
 
+from cxlrt.crash import point
 from cxlrt.errors import RegionError
+from cxlrt.lock import LeaseLost
 
 ENTRIES = 128
 ENTRY = 128
 NAME_BYTES = 64
-_HDR = struct.Struct("<QQQQ")  # state, off, name_len, generation
+_LINE0 = struct.Struct("<8Q")  # state, off, name_len, generation, redo, redo off, tag, seal
+_BODY = struct.Struct("<3Q")   # state, off, name_len
+_REDO = struct.Struct("<4Q")   # redo, redo off, tag, seal
+_GEN, _REDO_AT = 24, 32        # byte offsets in line 0
+_MASK = (1 << 64) - 1
+_PATIENCE_S = 2.0  # a reader gives up on an entry whose generation keeps moving this long
 
 
 def check_name(name: str, what: str = "directory", limit: int = NAME_BYTES) -> bytes:
@@ -34,75 +78,205 @@ def check_name(name: str, what: str = "directory", limit: int = NAME_BYTES) -> b
 _name = check_name
 
 
+def _seal(redo: int, off: int, tag: int) -> int:
+    """FNV-1a over the redo words: a zeroed or scribbled record never passes as sealed."""
+    h = 0xCBF29CE484222325
+    for w in (redo, off, tag):
+        h = ((h ^ w) * 0x100000001B3) & _MASK
+    return h ^ 0x6469722E7265646F  # "dir.redo": all-zero words do not seal to zero
+
+
+def _redo(w) -> tuple[int, int, int, int] | None:
+    """(state, off, name_len, writer node) of a sealed redo record for w's odd generation."""
+    redo, off, tag, seal = w[4:8]
+    if not w[3] & 1 or tag != w[3] or seal != _seal(redo, off, tag):
+        return None
+    return redo & 0xFF, off, (redo >> 8) & 0xFF, ((redo >> 16) & 0xFFFF) - 1
+
+
+def _no_redo(i: int, gen: int) -> RegionError:
+    return RegionError(f"directory entry {i} is mid-change (generation {gen}) without a "
+                       "valid redo record (corrupt; `cxlrt check --repair` settles it)")
+
+
+def _backoff(attempt: int) -> None:
+    """Spin three times, then sleep 1 µs, doubling up to about 1 ms."""
+    if attempt >= 3:
+        time.sleep(1e-6 * (1 << min(attempt - 3, 10)))
+
+
 class Directory:
     def __init__(self, region):
         self.region = region
         self.base = region.sections["directory"][0]
 
-    def _entry(self, i):
-        """(state, off, name) of entry i, as one consistent snapshot, or None if busy."""
+    # --- reading (no lock) ----------------------------------------------------------
+
+    def _read(self, i):
+        """(line-0 words, name line) of entry i, read consistently (a seqlock read).
+
+        Retries, with backoff, while a live writer moves the generation under us;
+        a stopped or dead writer does not move it, so this never waits on one.
+        """
         r = self.region
         at = self.base + i * ENTRY
-        for _ in range(1000):
-            r.flush(at, ENTRY)
-            raw = r.load(at, ENTRY)
-            state, off, n, gen = _HDR.unpack_from(raw)
-            if gen & 1:
-                continue  # a writer is mid-change: look again
-            if n > NAME_BYTES:
-                raise RegionError(f"directory entry {i} is corrupt (name length {n})")
-            name = raw[64:64 + n]
-            r.flush(at, 64)
-            if _HDR.unpack_from(r.load(at, 32))[3] == gen:
-                return state, off, name
-        raise RegionError(f"directory entry {i} stays busy: a writer died mid-change? "
-                          "(`cxlrt check`)")
+        t_end = None
+        attempt = 0
+        while True:
+            r.flush(at, ENTRY)  # observe: drop our copies of both lines, then load
+            w = _LINE0.unpack(r.load(at, 64))
+            line1 = r.load(at + 64, 64)
+            r.flush(at, 64)  # and the generation afresh: unchanged = line 1 was stable
+            if r.load64(at + _GEN) == w[3]:
+                return w, line1
+            if t_end is None:
+                t_end = time.monotonic() + _PATIENCE_S
+            elif time.monotonic() > t_end:
+                raise RegionError(f"directory entry {i} keeps changing (generation {w[3]}); "
+                                  "is a writer looping on it?")
+            _backoff(attempt)
+            attempt += 1
 
-    def _find(self, raw):
+    @staticmethod
+    def _view(i, w, line1):
+        """(state, off, name) of entry i as readers see it; RegionError if it is damaged."""
+        state, off, n, gen = w[:4]
+        if gen & 1:
+            redo = _redo(w)
+            if redo is None:
+                raise _no_redo(i, gen)
+            state, off, n, _ = redo
+        if state != 1:
+            return 0, 0, b""
+        if not 1 <= n <= NAME_BYTES:
+            raise RegionError(f"directory entry {i} is corrupt (name length {n})")
+        return 1, off, line1[:n]
+
+    def _entry(self, i):
+        """(state, off, name) of entry i, as one consistent snapshot."""
+        return self._view(i, *self._read(i))
+
+    @staticmethod
+    def _label(w, line1) -> str:
+        """The name an entry holds or is getting, for messages (whatever its state)."""
+        redo = _redo(w)
+        n = min(NAME_BYTES, max(w[2], redo[2] if redo else 0))
+        return line1[:n].rstrip(b"\0").decode("utf-8", "replace")
+
+    # --- writing (meta lock held) ----------------------------------------------------
+
+    def _fence(self, at, i, gen):
+        """Stop a writer whose entry someone else moved past `gen` (it lost its lock)."""
+        r = self.region
+        r.flush(at, 64)  # observe: once our lease ran out, a repairer may have written it
+        now = r.load64(at + _GEN)
+        if now != gen:
+            raise LeaseLost(f"directory entry {i}: generation {now}, not {gen}; someone "
+                            "finished or replaced this change while this writer was silent "
+                            "past its lease (it may or may not have taken effect)")
+
+    def _apply(self, i, gen, state, off, n, step):
+        """Steps 4-5: write the body of entry i (generation `gen`, odd), then even it."""
+        r = self.region
+        at = self.base + i * ENTRY
+        self._fence(at, i, gen)
+        r.store(at, _BODY.pack(state, off, n))
+        r.persist(at, 64)  # body durable before the even generation that vouches for it
+        point(step)
+        self._fence(at, i, gen)
+        r.store64(at + _GEN, gen + 1)
+        r.persist(at, 64)  # publish: readers now read the body, not the redo record
+
+    def _change(self, i, w, state, off, raw, op):
+        """Steps 1-5 of a put (`raw` = the name) or delete (`raw` None) of entry i."""
+        r = self.region
+        at = self.base + i * ENTRY
+        gen = w[3]
+        if raw is not None and w[0] != 1:  # a new name into a free entry
+            self._fence(at, i, gen)
+            r.store(at + 64, raw.ljust(NAME_BYTES, b"\0"))
+            r.persist(at + 64, 64)  # the name is in place before any record points at it
+            point("dir.put.name")
+        n = len(raw) if raw is not None else w[2]  # a delete keeps the name, for messages
+        redo = state | n << 8 | (self.region.node + 1) << 16
+        self._fence(at, i, gen)
+        r.store(at + _REDO_AT, _REDO.pack(redo, off, gen + 1, _seal(redo, off, gen + 1)))
+        r.persist(at, 64)  # the whole new value is durable before the change is decided
+        point(f"dir.{op}.redo")
+        self._fence(at, i, gen)
+        r.store64(at + _GEN, gen + 1)
+        r.persist(at, 64)  # decided: from here every reader returns the new value
+        point(f"dir.{op}.odd")
+        self._apply(i, gen + 1, state, off, n, f"dir.{op}.body")
+
+    def _settle(self, i, salvage=False):
+        """(words, name line, what was done) of entry i once no change is left halfway.
+
+        Lock held: whoever changed an odd entry is dead or lost its lease, so
+        finish its change from the redo record. An odd entry without one is
+        damage: an error, unless `salvage` (``cxlrt check --repair``) keeps its
+        body when that names a valid object and frees the entry otherwise.
+        """
+        w, line1 = self._read(i)
+        if not w[3] & 1:
+            return w, line1, None
+        label = self._label(w, line1)
+        redo = _redo(w)
+        if redo is not None:
+            state, off, n, node = redo
+            action = (f"directory entry {i} ({label!r}): finished the change that a writer "
+                      f"of node {node} left halfway")
+        elif salvage:
+            state, off, n = w[:3]
+            if state != 1 or not 1 <= n <= NAME_BYTES or not 0 < off < self.region.size:
+                state, off, n = 0, 0, 0
+            action = (f"directory entry {i} ({label!r}) was mid-change without a redo record: "
+                      + ("kept its old body" if state else "freed it (its body is not valid)"))
+        else:
+            raise _no_redo(i, w[3])
+        self._apply(i, w[3], state, off, n, "dir.repair.body")
+        w, line1 = self._read(i)
+        return w, line1, action
+
+    def _find_locked(self, raw):
+        """((i, words) of `raw` or None, (i, words) of the first free entry or None).
+
+        Settles every entry it reads: all of them up to `raw`'s, or all for a new name.
+        """
         free = None
         for i in range(ENTRIES):
-            state, off, name = self._entry(i)
+            w, line1, _ = self._settle(i)
+            state, _, name = self._view(i, w, line1)
             if state == 1 and name == raw:
-                return i, off
+                return (i, w), free
             if state != 1 and free is None:
-                free = i
-        return free, None
-
-    def _write(self, i, state, off, raw):
-        """Seqlock write (meta lock held): generation odd, body, generation even."""
-        r = self.region
-        at = self.base + i * ENTRY
-        r.flush(at, ENTRY)
-        gen = r.load64(at + 24)
-        r.store64(at + 24, gen + 1)
-        r.persist(at, 64)
-        if raw is not None:
-            r.store(at + 64, raw.ljust(NAME_BYTES, b"\0"))
-            r.store64(at + 16, len(raw))
-        r.store64(at + 8, off)
-        r.store64(at, state)
-        r.persist(at, ENTRY)
-        r.store64(at + 24, gen + 2)
-        r.persist(at, 64)
+                free = (i, w)
+        return None, free
 
     def _check_off(self, off):
         if isinstance(off, bool) or not isinstance(off, int) or not 0 < off < self.region.size:
             raise ValueError(f"directory offsets must lie inside the region (1.."
                              f"{self.region.size - 1}), got {off!r}")
 
+    # --- public ------------------------------------------------------------------------
+
     def put(self, name, off):
         raw = _name(name)
         self._check_off(off)
         with self.region.locks.builtin(0):
-            i, _ = self._find(raw)
-            if i is None:
+            found, free = self._find_locked(raw)
+            at = found or free
+            if at is None:
                 raise RegionError(f"the directory is full ({ENTRIES} names)")
-            self._write(i, 1, off, raw)
+            self._change(*at, 1, off, raw, "put")
 
     def get(self, name):
         raw = _name(name)
-        i, off = self._find(raw)
-        if off is None:
+        for i in range(ENTRIES):
+            state, off, got = self._entry(i)
+            if state == 1 and got == raw:
+                break
+        else:
             raise KeyError(name)
         if not 0 < off < self.region.size:
             raise RegionError(f"directory entry {name!r} holds offset {off}, outside the "
@@ -112,18 +286,13 @@ class Directory:
     def delete(self, name):
         raw = _name(name)
         with self.region.locks.builtin(0):
-            i, off = self._find(raw)
-            if off is None:
+            found, _ = self._find_locked(raw)
+            if found is None:
                 raise KeyError(name)
-            self._write(i, 0, 0, None)
+            self._change(*found, 0, 0, None, "delete")
 
     def names(self):
-        out = []
-        for i in range(ENTRIES):
-            state, _, name = self._entry(i)
-            if state == 1:
-                out.append(name.decode("utf-8", "replace"))
-        return out
+        return [name for name, _ in self.items()]
 
     def items(self):
         out = []
@@ -132,3 +301,40 @@ class Directory:
             if state == 1:
                 out.append((name.decode("utf-8", "replace"), off))
         return out
+
+    # --- `cxlrt check` -----------------------------------------------------------------
+
+    def scan(self, patience_s=0.05):
+        """(items, problems) for ``cxlrt check``: takes no lock and raises for no entry.
+
+        An entry still mid-change after `patience_s` (a live writer has long
+        finished by then) is reported as torn; readers already see its new value.
+        """
+        items, problems = [], []
+        for i in range(ENTRIES):
+            try:
+                w, line1 = self._read(i)
+                t_end = time.monotonic() + patience_s
+                attempt = 0
+                while w[3] & 1 and time.monotonic() < t_end:
+                    _backoff(attempt + 3)
+                    attempt += 1
+                    w, line1 = self._read(i)
+                state, off, name = self._view(i, w, line1)
+            except RegionError as e:
+                problems.append(f"directory: {e}")
+                continue
+            if w[3] & 1:
+                node = _redo(w)[3]
+                problems.append(
+                    f"directory entry {i} ({self._label(w, line1)!r}) is mid-change: a writer of "
+                    f"node {node} stopped halfway (readers see its new value); the next put or "
+                    f"delete finishes it, or `cxlrt check SPEC --repair --node N` (N dead)")
+            if state == 1:
+                items.append((name.decode("utf-8", "replace"), off))
+        return items, problems
+
+    def repair(self):
+        """Settle every torn entry under the meta lock; returns what was done."""
+        with self.region.locks.builtin(0):
+            return [a for i in range(ENTRIES) if (a := self._settle(i, salvage=True)[2])]

@@ -7,6 +7,10 @@
 #  - A small chunk's header and bitmap are written only by its owner node, under
 #    that node's robust heap mutex; other nodes free into the owner's remote-free
 #    queue (under the allocator lock) and the owner applies them.
+#  - The remote-free queue is a list linked through the freed objects themselves, so
+#    a free never fails for lack of room. The owner applies it in batches: it commits
+#    a batch to its journal line, empties the queue, then clears the bits; a drainer
+#    killed anywhere is replayed under the heap mutex before that node allocates again.
 #  - Large objects are runs of whole chunks; any node frees them under the lock.
 from libc.stdint cimport uint32_t, uint64_t
 
@@ -20,7 +24,6 @@ cdef enum:
     CXLRT_E_NOMEM = -1020
     CXLRT_E_BADFREE = -1021   # not the start of a live object
     CXLRT_E_DOUBLEFREE = -1022
-    CXLRT_E_QFULL = -1023     # the owner's remote-free queue is full
     CXLRT_E_CORRUPT = -1024   # a table word or header that cannot be right
 
 
@@ -32,6 +35,7 @@ ctypedef struct cxl_allocctx:
     uint64_t rfree_off        # node 0's remote-free queue; 4096 bytes a node
     uint64_t heap_off         # chunk 0
     uint64_t nchunks
+    uint64_t max_objects      # bound on any walk of a remote-free list (cycle guard)
     uint32_t node
     uint32_t nodes
-
+    uint32_t ticks            # this process's heap-mutex sections, for periodic queue peeks

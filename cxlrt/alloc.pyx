@@ -6,11 +6,28 @@ current chunk, one store and one persist of a bitmap word; no global lock.
 Slow path: find another chunk of ours with room, drain our remote-free queue,
 or carve a fresh chunk under the allocator lock. Large objects are chunk runs
 allocated first-fit under the allocator lock.
+
+Remote frees (an object of another node): the freer writes a link line into the
+object (next, PENDING mark) and pushes it on the owner's queue under the allocator
+lock, so the queue has no bound and a free never fails for lack of room. The owner
+drains in two steps: under the allocator lock it commits the whole list as a batch
+to its journal line (jword = seq << 48 | first object) and empties the queue; then,
+under its heap mutex only, it marks each object APPLIED and clears its bit. Every
+step is idempotent on replay: a drainer killed anywhere leaves the journal set, and
+the next holder of the node's heap mutex finishes it before it allocates anything
+(a dead holder resets the size-class hints, so every allocation after it takes the
+slow path, which finishes the journal first). Nothing the batch freed can have been
+handed out again meanwhile, so a replay never frees a live object. Nothing here
+runs in the heartbeat: the owner drains on its allocation slow path, every
+PEEK_EVERY heap-mutex sections of its own allocs and frees, in trim(), drain() and
+`cxlrt check --repair`.
 """
 
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_flush, cxl_load64, cxl_persist, cxl_region, cxl_store64
+from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
+from cxlrt.includes.intrin cimport unlikely
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.lock cimport CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, cxl_lock_acquire, cxl_lock_release
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
@@ -21,9 +38,15 @@ cdef extern from *:
     """
     static inline int cxl_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
     static inline int cxl_popcount64(unsigned long long x) { return __builtin_popcountll(x); }
+    #define CXL_RFREE_PENDING 0x52465245452D5051ULL  /* a queued object's mark, ^ its offset */
+    #define CXL_RFREE_APPLIED 0x52465245452D4150ULL  /* an applied one's, ^ its offset */
+    #define CXL_OFF_MASK 0x0000FFFFFFFFFFFFULL       /* jword: offsets below 2**48 */
     """
     int cxl_ctz64(unsigned long long x) nogil
     int cxl_popcount64(unsigned long long x) nogil
+    const uint64_t RFREE_PENDING "CXL_RFREE_PENDING"
+    const uint64_t RFREE_APPLIED "CXL_RFREE_APPLIED"
+    const uint64_t OFF_MASK "CXL_OFF_MASK"
 
 
 cdef enum:
@@ -32,9 +55,25 @@ cdef enum:
     KIND_LARGE = 2
     KIND_TAIL = 3
     SMALL_MAGIC = 0x534D4C43
-    RFREE_SLOTS = 504
     RFREE_BYTES = 4096
     MAX_CLASS = 16384
+    # cxl_rfree_queue (layout.pxd): line 0 under the allocator lock, line 1 the owner's; the
+    # three words of line 0, and of a link line, are read together (_observe3)
+    RQ_HEAD = 0
+    RQ_COUNT = 8
+    RQ_SEQ = 16
+    RQ_JWORD = 64
+    RQ_JCOUNT = 72
+    SEQ_MASK = 0xFFFF
+    # link line of a remote-freed object: next, mark, batch seq (once applied)
+    LINK_NEXT = 0
+    LINK_MARK = 8
+    LINK_BATCH = 16
+    PEEK_EVERY = 256          # heap-mutex sections between two looks at our own queue
+    RELEASE_HINTS = 32        # chunks a drain may find emptied and give back
+
+# Crash points (cxlrt.crash): one load and one predictable branch when unarmed.
+cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef uint32_t CLASS_SIZE[9]
 cdef uint32_t CLASS_SLOTS[9]
@@ -116,6 +155,8 @@ cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noex
                 rc = cxl_persist(A.r, base + 64 + i * 8, 8)
             if rc == 0:
                 out[0] = base + CLASS_DATA[c] + (i * 64 + b) * CLASS_SIZE[c]
+                if unlikely(_armed[0]):
+                    cxl_crash_hit(b"alloc.small")
             return rc
     return 1
 
@@ -236,52 +277,363 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
     return rc
 
 
-cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
-    """Apply frees other nodes queued for us (heap mutex held; takes the lock)."""
-    cdef uint64_t q = A.rfree_off + A.node * RFREE_BYTES, count = 0, i, off = 0, w = 0, k
-    cdef uint64_t rel
-    cdef uint32_t c
-    cdef int rec = 0
-    cdef int rc = cxl_flush(A.r, q, 8)
+# --- remote-free queues ----------------------------------------------------------------
+
+cdef inline uint64_t _queue(cxl_allocctx* A, uint32_t node) noexcept nogil:
+    return A.rfree_off + <uint64_t>node * RFREE_BYTES
+
+
+cdef inline bint _objlike(cxl_allocctx* A, uint64_t x) noexcept nogil:
+    """x could be a small object: inside the heap and line-aligned (below 2**48)."""
+    return x >= A.heap_off and x < A.heap_off + A.nchunks * CHUNK and (x & 63) == 0
+
+
+cdef int _slot_of(cxl_allocctx* A, uint64_t x, uint64_t* k, uint32_t* c,
+                  uint64_t* slot) noexcept nogil:
+    """Locate x as a slot of one of our small chunks: 0, 1 if it is none, or an error."""
+    cdef uint64_t w = 0, rel
+    cdef int rc
+    if not _objlike(A, x):
+        return 1
+    k[0] = (x - A.heap_off) // CHUNK
+    rc = _table_observe(A, k[0], &w)
+    if rc != 0:
+        return rc
+    c[0] = _low(w)
+    if _kind(w) != KIND_SMALL or _owner(w) != A.node or c[0] >= CXL_NCLASSES \
+            or x < _chunk_off(A, k[0]) + CLASS_DATA[c[0]]:
+        return 1
+    rel = x - _chunk_off(A, k[0]) - CLASS_DATA[c[0]]
+    if rel % CLASS_SIZE[c[0]] or rel // CLASS_SIZE[c[0]] >= CLASS_SLOTS[c[0]]:
+        return 1
+    slot[0] = rel // CLASS_SIZE[c[0]]
+    return 0
+
+
+cdef int _observe3(cxl_allocctx* A, uint64_t off, uint64_t nflush, uint64_t* w0,
+                   uint64_t* w1, uint64_t* w2) noexcept nogil:
+    """Drop our copy of `nflush` bytes at off, then load the three words at off."""
+    cdef int rc = cxl_flush(A.r, off, nflush)
     if rc == 0:
-        rc = cxl_load64(A.r, q, &count)
-    if rc != 0 or count == 0:
+        rc = cxl_load64(A.r, off, w0)
+    if rc == 0:
+        rc = cxl_load64(A.r, off + 8, w1)
+    if rc == 0:
+        rc = cxl_load64(A.r, off + 16, w2)
+    return rc
+
+
+cdef inline int _link_read(cxl_allocctx* A, uint64_t x, uint64_t* nxt, uint64_t* mark,
+                           uint64_t* batch) noexcept nogil:
+    """Observe the link line of a remote-freed object x (its first line):
+    LINK_NEXT, LINK_MARK, LINK_BATCH."""
+    return _observe3(A, x, 64, nxt, mark, batch)
+
+
+cdef int _q_write(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t count,
+                  uint64_t seq) noexcept nogil:
+    """Publish line 0 of queue q (allocator lock held).
+
+    Count, then head, then seq: a line written back early holds a prefix of the
+    stores, so a crash leaves at worst a count one too high (a push) or a queue
+    half emptied that _q_settle empties again (a detach).
+    """
+    cdef int rc = cxl_store64(A.r, q + RQ_COUNT, count)
+    if rc == 0:
+        rc = cxl_store64(A.r, q + RQ_HEAD, head)
+    if rc == 0:
+        rc = cxl_store64(A.r, q + RQ_SEQ, seq)
+    if rc == 0:
+        rc = cxl_persist(A.r, q, 64)
+    return rc
+
+
+cdef int _q_settle(cxl_allocctx* A, uint64_t q, uint64_t* head, uint64_t* count,
+                   uint64_t* seq) noexcept nogil:
+    """Allocator lock held: observe queue q and finish a detach its owner died in.
+
+    A drain commits its batch to the owner's journal line (seq + 1) before it empties
+    the queue line. If the journal's seq is not the queue's, the owner stopped in
+    between: the list in the queue is the journal's now, so the queue is empty (we
+    write it so; idempotent). A head that cannot be an object is corrupt: the queue
+    restarts empty rather than have the owner follow it.
+    """
+    cdef uint64_t jw = 0
+    # Observe the queue line (RQ_HEAD, RQ_COUNT, RQ_SEQ) and the owner's journal line.
+    cdef int rc = _observe3(A, q, 128, head, count, seq)
+    if rc == 0:
+        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+    if rc != 0:
+        return rc
+    seq[0] &= SEQ_MASK
+    if (jw >> 48) != seq[0]:
+        seq[0] = jw >> 48
+    elif head[0] == 0 or _objlike(A, head[0]):
+        return 0
+    head[0] = 0
+    count[0] = 0
+    return _q_write(A, q, 0, 0, seq[0])
+
+
+cdef inline bint _loops(uint64_t x, uint64_t* tortoise, uint64_t* power,
+                        uint64_t* lam) noexcept nogil:
+    """Brent's cycle check, one call per list step to x != 0 (tortoise starts at the
+    list's first object, power at 1, lam at 0): True once x comes round again.
+
+    A list only loops in a corrupted region; this keeps every walk linear in the
+    list's length instead of running up to max_objects steps.
+    """
+    if x == tortoise[0]:
+        return True
+    if power[0] == lam[0]:
+        tortoise[0] = x
+        power[0] *= 2
+        lam[0] = 0
+    lam[0] += 1
+    return False
+
+
+cdef bint _on_list(cxl_allocctx* A, uint64_t e, uint64_t x) noexcept nogil:
+    """Whether x is on the list that starts at e (a bad link or a loop ends the walk)."""
+    cdef uint64_t n = 0, nxt = 0, tortoise = e, power = 1, lam = 0
+    while e != 0 and n < A.max_objects:
+        if e == x:
+            return True
+        if not _objlike(A, e) or cxl_flush(A.r, e, 64) != 0 \
+                or cxl_load64(A.r, e + LINK_NEXT, &nxt) != 0 \
+                or (nxt != 0 and _loops(nxt, &tortoise, &power, &lam)):
+            return False
+        e = nxt
+        n += 1
+    return False
+
+
+cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexcept nogil:
+    """x carries a PENDING mark (allocator lock held): is it on the owner's queue, or in
+    the batch the owner is applying? A freer killed between marking x and publishing
+    it leaves the mark on an object that is on neither: freeing it again is a retry.
+    Walks only on a mark, so only double frees and retries pay for it."""
+    cdef uint64_t jw = 0
+    if _on_list(A, head, x):
+        return True
+    if cxl_flush(A.r, q + RQ_JWORD, 8) != 0 or cxl_load64(A.r, q + RQ_JWORD, &jw) != 0:
+        return True  # cannot tell: refuse rather than link x into two lists
+    return _on_list(A, jw & OFF_MASK, x)
+
+
+cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
+                      uint64_t slot) noexcept nogil:
+    """Queue another node's object for its owner; never fails for lack of room."""
+    cdef uint64_t q, bm, bw = 0, head = 0, count = 0, seq = 0, nxt = 0, mark = 0, batch = 0
+    cdef int rc, rec = 0
+    bm = _chunk_off(A, k) + 64 + (slot // 64) * 8  # the owner's bitmap word: still live?
+    rc = cxl_flush(A.r, bm, 8)
+    if rc == 0:
+        rc = cxl_load64(A.r, bm, &bw)
+    if rc != 0:
+        return rc
+    if not (bw >> (slot % 64)) & 1:
+        return CXLRT_E_DOUBLEFREE
+    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    if rc != 0:
+        return rc
+    q = _queue(A, owner)
+    rc = _q_settle(A, q, &head, &count, &seq)
+    if rc == 0:
+        rc = _link_read(A, off, &nxt, &mark, &batch)
+    if rc == 0 and mark == (RFREE_PENDING ^ off) and _queued(A, q, head, off):
+        rc = CXLRT_E_DOUBLEFREE  # queued already: freed twice before the owner drained
+    if rc == 0:
+        # The object is ours (the freer's) until it is on the list: link it and publish
+        # the link, then the head that makes the owner follow it. A crash in between
+        # leaves at most a stale PENDING mark, which _queued tells from a queued object.
+        rc = cxl_store64(A.r, off + LINK_NEXT, head)
+        if rc == 0:
+            rc = cxl_store64(A.r, off + LINK_BATCH, 0)
+        if rc == 0:
+            rc = cxl_store64(A.r, off + LINK_MARK, RFREE_PENDING ^ off)
+        if rc == 0:
+            rc = cxl_persist(A.r, off, 64)
+    if rc == 0 and unlikely(_armed[0]):
+        cxl_crash_hit(b"free.remote")
+    if rc == 0:
+        rc = _q_write(A, q, off, count + 1, seq)
+    cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
+    return rc
+
+
+cdef int _journal_pending(cxl_allocctx* A, bint* pending) noexcept nogil:
+    """Whether our journal holds a batch not yet applied to the end."""
+    cdef uint64_t q = _queue(A, A.node), jw = 0
+    cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
+    if rc == 0:
+        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+    pending[0] = (jw & OFF_MASK) != 0
+    return rc
+
+
+cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
+    """Apply the batch in our journal, if any, then close the journal (heap mutex held).
+
+    Idempotent: each object is marked APPLIED (with the batch's seq) before its bit is
+    cleared, and a replay walks the batch again from its start, clearing only bits
+    still set. No slot of ours is handed out between a crash in here and the replay
+    (after a dead heap-mutex holder every allocation finishes the journal first), so a
+    bit still set is one this batch has to clear, and the objects' link lines are
+    intact. A link that leads out of our chunks, or to an object another batch applied
+    (a list a stalled freer re-published), ends the walk: what follows leaks rather
+    than being freed twice. Chunks the batch emptied go back only once it is closed.
+    """
+    cdef cxl_local_heap* h = A.heap
+    cdef uint64_t q = _queue(A, A.node), jw = 0, x, js, nxt = 0, mark = 0, batch = 0
+    cdef uint64_t k = 0, slot = 0, left = 0, n = 0, tortoise = 0, power = 1, lam = 0
+    cdef uint64_t empty_k[RELEASE_HINTS]
+    cdef uint32_t empty_c[RELEASE_HINTS]
+    cdef uint32_t c = 0, nempty = 0, j
+    # Observe even our own line: another process of this node may have written it.
+    cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
+    if rc == 0:
+        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+    if rc != 0 or (jw & OFF_MASK) == 0:
+        return rc
+    x = jw & OFF_MASK
+    js = jw >> 48
+    tortoise = x
+    while x != 0 and n < A.max_objects:
+        rc = _slot_of(A, x, &k, &c, &slot)
+        if rc == 0:
+            rc = _link_read(A, x, &nxt, &mark, &batch)
+        if rc != 0:
+            break
+        if mark == (RFREE_PENDING ^ x):
+            # The batch first, then the mark: a prefix of the two stores still reads
+            # PENDING, which a replay applies again.
+            rc = cxl_store64(A.r, x + LINK_BATCH, js)
+            if rc == 0:
+                rc = cxl_store64(A.r, x + LINK_MARK, RFREE_APPLIED ^ x)
+            if rc == 0:
+                rc = cxl_persist(A.r, x, 64)  # and drops our copy of the line
+            if rc != 0:
+                break
+        elif mark != (RFREE_APPLIED ^ x) or batch != js:
+            rc = 1  # not a list of this batch
+            break
+        rc = _clear_slot(A, k, c, slot, &left)
+        if rc == 0:
+            applied[0] += 1
+            if left == 0 and nempty < RELEASE_HINTS:
+                for j in range(nempty):
+                    if empty_k[j] == k:
+                        break
+                else:
+                    empty_k[nempty] = k
+                    empty_c[nempty] = c
+                    nempty += 1
+        elif rc == CXLRT_E_DOUBLEFREE:
+            rc = 0  # cleared before a crash (this is the replay), or freed twice
+        else:
+            break
+        if unlikely(_armed[0]):
+            cxl_crash_hit(b"alloc.drain")
+        if nxt != 0 and _loops(nxt, &tortoise, &power, &lam):
+            break  # every object on the loop has been applied once: stop there
+        x = nxt
+        n += 1
+    if rc < 0:
+        return rc  # an access failed: the journal stays for the next try
+    rc = cxl_store64(A.r, q + RQ_JCOUNT, 0)
+    if rc == 0:
+        rc = cxl_store64(A.r, q + RQ_JWORD, js << 48)  # closed: seq kept, no batch
+    if rc == 0:
+        rc = cxl_persist(A.r, q + 64, 64)
+    for j in range(nempty):
+        if rc != 0:
+            break
+        if h.current[empty_c[j]] != empty_k[j] + 1:
+            rc = _maybe_release(A, h, empty_k[j], empty_c[j])
+    return rc
+
+
+cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
+    """Apply the frees other nodes queued for us (heap mutex held).
+
+    First a batch a killed drainer of ours left (its replay). Then, under the allocator
+    lock: commit the queue's list to our journal as batch seq + 1, and only then empty
+    the queue. Then apply the batch without the lock: the lock is held for a few line
+    writes, however long the list.
+    """
+    cdef uint64_t q = _queue(A, A.node), head = 0, count = 0, seq = 0, js
+    cdef int rec = 0
+    cdef int rc = _journal_apply(A, applied)
+    if rc == 0:
+        rc = cxl_flush(A.r, q, 64)  # peek without the lock
+    if rc == 0:
+        rc = cxl_load64(A.r, q + RQ_HEAD, &head)
+    if rc != 0 or head == 0:
         return rc
     rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
     if rc != 0:
         return rc
-    rc = cxl_flush(A.r, q, RFREE_BYTES)  # observe the whole queue under the lock
-    if rc == 0:
-        rc = cxl_load64(A.r, q, &count)
-    if count > RFREE_SLOTS:
-        count = RFREE_SLOTS  # corrupt: apply what can be valid, the check reports it
-    for i in range(count):
-        if rc != 0:
-            break
-        rc = cxl_load64(A.r, q + 64 + i * 8, &off)
-        if rc != 0 or off < A.heap_off:
-            continue
-        k = (off - A.heap_off) // CHUNK
-        if k >= A.nchunks or _table_observe(A, k, &w) != 0:
-            continue
-        c = _low(w)
-        if _kind(w) != KIND_SMALL or _owner(w) != A.node or c >= CXL_NCLASSES:
-            continue
-        rel = off - _chunk_off(A, k) - CLASS_DATA[c]
-        if _clear_slot(A, k, c, rel // CLASS_SIZE[c], &w) == 0:
-            applied[0] += 1
-    if rc == 0:
-        rc = cxl_store64(A.r, q, 0)
-    if rc == 0:
-        rc = cxl_persist(A.r, q, 8)
+    rc = _q_settle(A, q, &head, &count, &seq)
+    if rc == 0 and head != 0:
+        js = (seq + 1) & SEQ_MASK
+        rc = cxl_store64(A.r, q + RQ_JCOUNT, count)
+        if rc == 0:
+            rc = cxl_store64(A.r, q + RQ_JWORD, (js << 48) | head)
+        if rc == 0:
+            rc = cxl_persist(A.r, q + 64, 64)  # the commit: the list is the batch's now
+        if rc == 0 and unlikely(_armed[0]):
+            cxl_crash_hit(b"alloc.drain.detach")
+        if rc == 0:
+            rc = _q_write(A, q, 0, 0, js)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
+    if rc == 0:
+        rc = _journal_apply(A, applied)
+    return rc
+
+
+cdef void _peek_drain(cxl_allocctx* A) noexcept nogil:
+    """Look at our queue and drain it if it holds anything (heap mutex held).
+
+    Called every PEEK_EVERY allocs and frees of ours, so a busy node applies remote
+    frees without running out of room first. A failure is left for the slow path
+    to report: the alloc or free that got us here has succeeded.
+    """
+    cdef uint64_t q = _queue(A, A.node), head = 0, applied = 0
+    if cxl_flush(A.r, q, 64) == 0 and cxl_load64(A.r, q + RQ_HEAD, &head) == 0 and head:
+        _drain_locked(A, &applied)
+
+
+cdef int _heap_lock(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
+    """Take the node's heap mutex: 0, or an error (then it is not held).
+
+    After a holder that died, rebuild the size-class hints (all cleared: each class
+    then takes the slow path once, which finishes our journal before it scans for
+    room) and finish a drain it left half done.
+    """
+    cdef cxl_local_heap* h = A.heap
+    cdef uint32_t i
+    cdef int rc = cxl_mutex_lock(&h.m)
+    if rc == 0:
+        return 0
+    if rc < 0:
+        return rc
+    # A process of ours died holding the heap: the hints may be torn, the region's
+    # bitmaps are not (each change is one published word).
+    for i in range(16):
+        h.current[i] = 0
+        h.spare[i] = 0
+    h.rebuilds += 1
+    rc = _journal_apply(A, applied)
+    if rc != 0:
+        cxl_mutex_unlock(&h.m)
     return rc
 
 
 cdef int cxl_drain(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     """Take the heap mutex and apply queued remote frees."""
-    cdef int rc = cxl_mutex_lock(&A.heap.m)
-    if rc < 0:
+    cdef int rc = _heap_lock(A, applied)
+    if rc != 0:
         return rc
     rc = _drain_locked(A, applied)
     cxl_mutex_unlock(&A.heap.m)
@@ -308,34 +660,25 @@ cdef int _scan_own(cxl_allocctx* A, uint32_t c, uint64_t skip, uint64_t* found) 
     return 1
 
 
-cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil:
-    """Allocate one class-c object for this node."""
+cdef int _alloc_slow(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil:
+    """Class c has no current chunk with room (heap mutex held): finish our journal,
+    then another chunk of ours with room (after applying remote frees if none has),
+    our spare, or a fresh chunk from the table."""
     cdef cxl_local_heap* h = A.heap
     cdef uint64_t k = 0, applied = 0
-    cdef int rc = cxl_mutex_lock(&h.m)
-    if rc < 0:
+    cdef int rc = _journal_apply(A, &applied)  # before any slot of ours is reused
+    if rc != 0:
         return rc
+    rc = _scan_own(A, c, h.current[c] - 1 if h.current[c] else <uint64_t>-1, &k)
     if rc == 1:
-        # A process of ours died holding the heap: the hints may be torn, the
-        # region's bitmaps are not (each change is one published word). Rebuild.
-        for k in range(16):
-            h.current[k] = 0
-            h.spare[k] = 0
-        h.rebuilds += 1
-    rc = 1
-    if h.current[c]:
-        rc = _take_slot(A, h.current[c] - 1, c, out)
-    if rc == 1:  # another chunk of ours with room (maybe after applying remote frees)
-        rc = _scan_own(A, c, h.current[c] - 1 if h.current[c] else <uint64_t>-1, &k)
-        if rc == 1:
-            rc = _drain_locked(A, &applied)
-            if rc == 0:
-                rc = _scan_own(A, c, <uint64_t>-1, &k) if applied else 1
+        rc = _drain_locked(A, &applied)
         if rc == 0:
-            if h.spare[c] == k + 1:
-                h.spare[c] = 0
-            h.current[c] = k + 1
-            rc = _take_slot(A, k, c, out)
+            rc = _scan_own(A, c, <uint64_t>-1, &k) if applied else 1
+    if rc == 0:
+        if h.spare[c] == k + 1:
+            h.spare[c] = 0
+        h.current[c] = k + 1
+        rc = _take_slot(A, k, c, out)
     if rc == 1 and h.spare[c]:  # the empty chunk we kept
         k = h.spare[c] - 1
         h.spare[c] = 0
@@ -348,6 +691,29 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
             rc = _take_slot(A, k, c, out)
             if rc == 1:
                 rc = CXLRT_E_CORRUPT  # a chunk we just zeroed cannot be full
+    return rc
+
+
+cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil:
+    """Allocate one class-c object for this node.
+
+    Budget: the heap mutex, then one load, one store and one persist of a bitmap
+    word; no global lock, no flush of anything else (a look at our remote-free
+    queue, one observed line, every PEEK_EVERY calls).
+    """
+    cdef cxl_local_heap* h = A.heap
+    cdef uint64_t applied = 0
+    cdef int rc = _heap_lock(A, &applied)
+    if rc != 0:
+        return rc
+    rc = 1
+    if h.current[c]:
+        rc = _take_slot(A, h.current[c] - 1, c, out)
+    if unlikely(rc == 1):
+        rc = _alloc_slow(A, c, out)
+    A.ticks += 1
+    if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
+        _peek_drain(A)
     cxl_mutex_unlock(&h.m)
     return rc
 
@@ -369,6 +735,8 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
         rc = _table_set(A, k, _word(KIND_LARGE, A.node, n))
     if rc == 0:
         rc = cxl_persist(A.r, A.table_off + k * 8, n * 8)
+        if rc == 0 and unlikely(_armed[0]):
+            cxl_crash_hit(b"alloc.large")
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
         out[0] = _chunk_off(A, k)
@@ -377,7 +745,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
 
 cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     """Free any node's object: ours directly, others' through their queue, runs under the lock."""
-    cdef uint64_t k, w = 0, rel, slot, bw = 0, q, count = 0, i, e = 0, n
+    cdef uint64_t k, w = 0, rel, slot, bw = 0, i, n, applied = 0
     cdef uint32_t c, owner
     cdef int rc, rec = 0
     cdef cxl_local_heap* h = A.heap
@@ -424,52 +792,31 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     if rel % CLASS_SIZE[c] or rel // CLASS_SIZE[c] >= CLASS_SLOTS[c]:
         return CXLRT_E_BADFREE
     slot = rel // CLASS_SIZE[c]
-    if owner == A.node:
-        rc = cxl_mutex_lock(&h.m)
-        if rc < 0:
-            return rc
-        rc = _clear_slot(A, k, c, slot, &bw)
-        if rc == 0 and bw == 0 and h.current[c] != k + 1:
-            rc = _maybe_release(A, h, k, c)
-        cxl_mutex_unlock(&h.m)
-        return rc
-    # Another node's object: check it is live, then queue it for its owner.
-    q = _chunk_off(A, k) + 64 + (slot // 64) * 8
-    rc = cxl_flush(A.r, q, 8)
-    if rc == 0:
-        rc = cxl_load64(A.r, q, &bw)
+    if owner != A.node:
+        return _free_remote(A, off, owner, k, slot)
+    rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
-    if not (bw >> (slot % 64)) & 1:
-        return CXLRT_E_DOUBLEFREE
-    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
-    if rc != 0:
-        return rc
-    q = A.rfree_off + owner * RFREE_BYTES
-    rc = cxl_flush(A.r, q, RFREE_BYTES)
-    if rc == 0:
-        rc = cxl_load64(A.r, q, &count)
-    if rc == 0 and count >= RFREE_SLOTS:
-        rc = CXLRT_E_QFULL
-    for i in range(count if rc == 0 else 0):
-        if cxl_load64(A.r, q + 64 + i * 8, &e) == 0 and e == off:
-            rc = CXLRT_E_DOUBLEFREE  # already queued: freed twice before the owner drained
-            break
-    if rc == 0:
-        rc = cxl_store64(A.r, q + 64 + count * 8, off)
-    if rc == 0:  # entry published before the count that makes the owner read it
-        rc = cxl_persist(A.r, q + 64 + count * 8, 8)
-    if rc == 0:
-        rc = cxl_store64(A.r, q, count + 1)
-    if rc == 0:
-        rc = cxl_persist(A.r, q, 8)
-    cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"free.local")
+    rc = _clear_slot(A, k, c, slot, &bw)
+    if rc == 0 and bw == 0 and h.current[c] != k + 1:
+        rc = _maybe_release(A, h, k, c)
+    A.ticks += 1
+    if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
+        _peek_drain(A)
+    cxl_mutex_unlock(&h.m)
     return rc
 
 
 cdef int _maybe_release(cxl_allocctx* A, cxl_local_heap* h, uint64_t k, uint32_t c) noexcept nogil:
-    """An emptied chunk becomes the class's spare, or goes back to the table."""
+    """An emptied chunk becomes the class's spare, or goes back to the table.
+
+    Not while our journal holds a batch: its replay reads the batch's objects, so
+    their chunks stay ours until it is closed.
+    """
     cdef uint64_t live = 0
+    cdef bint pending = False
     cdef int rc = _chunk_live(A, k, c, &live)
     if rc != 0 or live != 0:
         return rc
@@ -478,18 +825,22 @@ cdef int _maybe_release(cxl_allocctx* A, cxl_local_heap* h, uint64_t k, uint32_t
         return 0
     if h.spare[c] == k + 1:
         return 0
+    rc = _journal_pending(A, &pending)
+    if rc != 0 or pending:
+        return rc
     return _release_chunk(A, k)
 
 
 cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
-    """Return this node's empty chunks (current and spare included) to the table."""
+    """Apply queued remote frees, then return this node's empty chunks (current and
+    spare included) to the table."""
     cdef cxl_local_heap* h = A.heap
     cdef uint64_t k, w = 0, live = 0, applied = 0
     cdef uint32_t c
-    cdef int rc = cxl_mutex_lock(&h.m)
-    if rc < 0:
+    cdef int rc = _heap_lock(A, &applied)
+    if rc != 0:
         return rc
-    rc = _drain_locked(A, &applied)
+    rc = _drain_locked(A, &applied)  # closes our journal, or fails before any release
     for k in range(A.nchunks):
         if rc != 0:
             break
@@ -513,8 +864,6 @@ _ERRORS = {
     CXLRT_E_NOMEM: (OutOfMemory, "out of memory"),
     CXLRT_E_BADFREE: (InvalidFreeError, "not the start of a live allocation"),
     CXLRT_E_DOUBLEFREE: (InvalidFreeError, "already free (double free)"),
-    CXLRT_E_QFULL: (RegionError, "the owner node's remote-free queue is full; is it dead? "
-                    "(`cxlrt check --repair --node N`)"),
     CXLRT_E_CORRUPT: (RegionError, "allocator metadata is corrupt (`cxlrt check`)"),
     -1001: (OutOfRangeError, "outside the heap"),
 }
@@ -542,6 +891,13 @@ cdef class Allocator:
         self.A.rfree_off = alloc_off + (self.A.nchunks * 8 + 4095) // 4096 * 4096
         self.A.node = region.node
         self.A.nodes = region.nodes
+        self.A.max_objects = self.A.nchunks * CLASS_SLOTS[0]
+        self.A.ticks = 0
+        if self.A.heap_off + self.A.nchunks * CHUNK > OFF_MASK:
+            raise RegionError(f"{region.spec}: a heap past 2**48 bytes does not fit the "
+                              "remote-free journal's offsets")
+        # Nothing is hooked into the heartbeat: a drain may wait for the allocator lock,
+        # and a heartbeat must never wait on another node (DESIGN.md, failure model).
 
     def _raise(self, int rc, str what):
         if rc in _ERRORS:
@@ -587,7 +943,12 @@ cdef class Allocator:
             self._raise(rc, f"free({off})")
 
     def drain(self):
-        """Apply frees other nodes queued for this node (the heartbeat calls this)."""
+        """Apply frees other nodes queued for this node; returns how many.
+
+        Also finishes a drain a killed process of this node left half done. The
+        allocator drains by itself on its slow path and every few hundred allocs
+        and frees; call this (or :meth:`trim`) on a node that has gone idle.
+        """
         cdef uint64_t applied = 0
         cdef int rc
         with nogil:
@@ -607,6 +968,7 @@ cdef class Allocator:
             self._raise(rc, "release_chunk")
 
     def trim(self):
+        """Apply queued remote frees, then give this node's empty chunks back."""
         cdef int rc
         with nogil:
             rc = cxl_trim(&self.A)

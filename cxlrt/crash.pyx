@@ -27,10 +27,14 @@ POINTS = {
     "lock.mgr.request": "manager mode: request published, grant not yet seen",
     "lock.mgr.grant": "manager: about to publish a grant",
     "alloc.small": "slot bit set in the owner's bitmap, object not yet returned",
-    "alloc.large": "chunk run written to the chunk table, not yet returned",
-    "free.remote": "a remote free queued, count not yet published",
-    "free.local": "a slot bit being cleared by its owner",
-    "alloc.drain": "remote-free queue drain: some slots freed, queue not yet emptied",
+    "alloc.large": "chunk run written to the chunk table (allocator lock held), not yet returned",
+    "free.remote": "remote free: link line written into the object (allocator lock held), "
+                   "queue head not yet published",
+    "free.local": "owner's free: heap mutex held, slot bit not yet cleared",
+    "alloc.drain.detach": "drain: batch committed to the owner's journal (allocator lock "
+                          "held), queue not yet emptied",
+    "alloc.drain": "drain: one more object of the batch applied (heap mutex held), "
+                   "journal not yet closed",
     "dir.put.name": "directory put of a new name: name line of a free entry written, no more",
     "dir.put.redo": "directory put: redo record (the new value) written, generation still even",
     "dir.put.odd": "directory put: generation odd (the change is decided), body not yet written",

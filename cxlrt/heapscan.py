@@ -15,7 +15,9 @@ CHUNK = 65536
 KIND = {1: "small", 2: "large", 3: "tail"}
 SMALL_MAGIC = 0x534D4C43
 RFREE_BYTES = 4096
-RFREE_SLOTS = 504
+RFREE_PENDING = 0x52465245452D5051  # a queued object's mark ^ its offset (alloc.pyx)
+RFREE_APPLIED = 0x52465245452D4150  # an applied one's
+OFF_MASK = (1 << 48) - 1
 
 
 @dataclass
@@ -35,7 +37,7 @@ class HeapScan:
     empty_small: list = field(default_factory=list)      # (chunk, owner)
     uncarved_small: list = field(default_factory=list)   # (chunk, owner): carve interrupted
     live_ranges: list = field(default_factory=list)      # (start, end) of live chunks
-    queued: dict = field(default_factory=dict)           # node -> [offsets]
+    queued: dict = field(default_factory=dict)           # node -> [offsets] not yet applied
 
     def usage(self) -> dict:
         return {"chunk_bytes": CHUNK, "chunks": self.nchunks, "free_chunks": self.free_chunks,
@@ -129,16 +131,67 @@ def scan(region) -> HeapScan:
     s.by_node = node_stats
     rfree = alloc_off + (n * 8 + 4095) // 4096 * 4096
     for node in range(region.nodes):
-        q = rfree + node * RFREE_BYTES
-        region.flush(q, RFREE_BYTES)
-        count = region.load64(q)
-        if count > RFREE_SLOTS:
-            s.problems.append(f"node {node}'s remote-free queue claims {count} entries "
-                              f"(at most {RFREE_SLOTS})")
-            continue
-        if count:
-            s.queued[node] = list(struct.unpack(f"<{count}Q", region.load(q + 64, count * 8)))
+        _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)
     return s
+
+
+def _walk(region, problems, node, first, heap_off, nchunks, batch, what) -> list:
+    """Objects of one remote-free list that are still to be applied.
+
+    The queue's list holds PENDING objects only; a batch being applied (`batch` is
+    its seq) holds APPLIED ones up to where its drainer got. A link that cannot be
+    an object, or a loop, is a problem.
+    """
+    heap_end = heap_off + nchunks * CHUNK
+    out, seen, x = [], set(), first
+    while x:
+        where = f"node {node}'s remote-free {what} at {x:#x}"
+        if x in seen:
+            problems.append(f"{where}: the list loops")
+            break
+        if not (heap_off <= x < heap_end and x % 64 == 0):
+            problems.append(f"{where}: not an object in the heap")
+            break
+        seen.add(x)
+        region.flush(x, 64)
+        nxt, mark, tag = struct.unpack("<3Q", region.load(x, 24))
+        if mark == RFREE_PENDING ^ x:
+            out.append(x)
+        elif batch is None or mark != RFREE_APPLIED ^ x or tag != batch:
+            problems.append(f"{where}: the object does not carry the list's mark")
+            break
+        x = nxt
+    return out
+
+
+def _queue_lines(region, q) -> tuple[int, int, int]:
+    """(head, seq, jword) of a remote-free queue, observed."""
+    region.flush(q, 128)
+    head, _count, seq = struct.unpack("<3Q", region.load(q, 24))
+    return head, seq, region.load64(q + 64)
+
+
+def _scan_queue(region, s, node, q, heap_off, nchunks) -> None:
+    """Node `node`'s remote-free queue and the batch its owner is applying.
+
+    The owner may drain while we walk: the walk counts only if the queue's lines
+    did not move meanwhile (a few tries; a queue that never holds still is busy, not
+    broken, so its problems are not reported).
+    """
+    for _ in range(5):
+        lines = _queue_lines(region, q)
+        head, seq, jword = lines
+        if jword >> 48 != seq & 0xFFFF:
+            head = 0  # a detach its owner died in: the list is the journal's (alloc.pyx)
+        problems: list = []
+        offs = _walk(region, problems, node, head, heap_off, nchunks, None, "queue")
+        offs += _walk(region, problems, node, jword & OFF_MASK, heap_off, nchunks,
+                      jword >> 48, "batch")
+        if _queue_lines(region, q) == lines:
+            s.problems += problems
+            break
+    if offs:
+        s.queued[node] = offs
 
 
 def in_live_chunk(scan_result: HeapScan, off: int) -> bool:

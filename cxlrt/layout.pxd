@@ -145,7 +145,19 @@ ctypedef struct cxl_small_header:
     uint64_t reserved[5]
 
 
+# A node's remote-free queue: objects other nodes freed, linked through their own
+# (now free) first line, so it never fills. The link line of such an object is
+# {next offset, mark, batch}: mark = RFREE_PENDING ^ offset while queued, then
+# RFREE_APPLIED ^ offset with batch = the owner's journal seq once applied (alloc.pyx).
+# Line 0 is written under lock 1 by any node; line 1 only by the owner node (heap
+# mutex). A drain commits a batch in line 1 (jword) before it empties line 0; while
+# jword's seq differs from seq, line 0's list belongs to the journal (see alloc.pyx).
 ctypedef struct cxl_rfree_queue:
-    uint64_t count            # entries in use (written under the allocator lock)
-    uint64_t reserved[7]
-    uint64_t off[504]         # objects freed by other nodes, owned by this node
+    uint64_t head             # newest queued object, 0 = empty (lock 1)
+    uint64_t count            # objects on the list: a hint, may be off after a crash (lock 1)
+    uint64_t seq              # batches detached so far, mod 2**16 (lock 1)
+    uint64_t reserved0[5]
+    uint64_t jword            # owner's journal: seq << 48 | first object of the batch being applied
+    uint64_t jcount           # objects in that batch (a hint)
+    uint64_t reserved1[6]
+    uint64_t reserved[496]    # pads the queue to 4096 bytes

@@ -85,7 +85,7 @@ def test_stress_across_processes_with_cross_node_frees(backend):
     freed_remote = raise_failures(run_procs(_stress, args, timeout=300))
     assert sum(freed_remote) > 0
     # Remote frees land in the owners' queues; the owners drained them before trimming,
-    # but a free that arrived after an owner's last drain waits for its next beat.
+    # but a free that arrived after an owner's last drain waits for its next drain.
     for n in range(nodes):
         with cxlrt.open(backend.spec(), node=n) as r:
             r.trim()
@@ -249,3 +249,272 @@ def test_repair_refuses_a_live_node(backend):
         cxcheck.repair(backend.spec(), 1)
     r1.close()
     r0.close()
+
+
+# --- remote frees: crash-safe, unbounded, never in the heartbeat (issue 9) -----------------
+#
+# Objects are tagged with `_pattern` over their whole size by DMA, so two live objects
+# sharing memory show up as a damaged tag, whichever of them was written last.
+
+def _tag_all(r, offs, seed):
+    for off, size in offs:
+        r.dma_write(off, _pattern(off, size, seed)[:size])
+
+
+def _assert_tags(r, offs, seed, who):
+    for off, size in offs:
+        assert r.dma_read(off, size) == _pattern(off, size, seed)[:size], \
+            f"{who}: object {off:#x} ({size} B) was overwritten: allocated twice"
+
+
+def _assert_disjoint(offs):
+    spans = sorted(offs)
+    for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
+        assert a + n <= b, f"objects {a:#x} (+{n}) and {b:#x} overlap: allocated twice"
+
+
+def _alloc_tagged(spec, node, counts, seed):
+    """Child: allocate `counts` {size: n} objects as `node`, tag them, detach cleanly."""
+    with cxlrt.open(spec, node=node) as r:
+        offs = [(r.alloc(size), size) for size, n in counts.items() for _ in range(n)]
+        _tag_all(r, offs, seed)
+    return offs
+
+
+def _drain_and_die(spec, node, point, nth):
+    """Child: arm `point` and drain this node's remote-free queue; SIGKILLed there."""
+    from cxlrt import crash
+    r = cxlrt.open(spec, node=node)
+    crash.arm(point, "kill", nth)
+    r.trim()  # applies the queued remote frees first
+    os._exit(7)  # not reached when the point was hit
+
+
+def _next_process(spec, node, live, seed):
+    """Child: the node's next process allocates around a replay of the killed drain,
+    checking that nothing it was handed is live already."""
+    with cxlrt.open(spec, node=node) as r:
+        mine = [(r.alloc(size), size) for size in (64, 1000) for _ in range(200)]
+        _assert_disjoint(live + mine)
+        _tag_all(r, mine, seed)
+        r.trim()  # a drain (or a replay of the dead one) after we allocated
+        more = [(r.alloc(size), size) for size in (64, 1000) for _ in range(200)]
+        _assert_disjoint(live + mine + more)
+        _tag_all(r, more, seed)
+        _assert_tags(r, live + mine, seed, f"node {node}'s next process")
+    return mine + more
+
+
+def _run_child(fn, *args):
+    p = _CTX.Process(target=fn, args=args)
+    p.start()
+    p.join(120)
+    return p.exitcode
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("replay", ["next-process", "repair"])
+@pytest.mark.parametrize("point,nth", [("alloc.drain", 1), ("alloc.drain", 37),
+                                       ("alloc.drain", 200), ("alloc.drain.detach", 1)])
+def test_drainer_killed_then_replayed_never_allocates_twice(backend, point, nth, replay):
+    """Scenario 6 of issue 9: a drainer SIGKILLed mid-drain, then a replay by the node's
+    next process (which allocates first) or by `cxlrt check --repair`: no slot is freed
+    twice, none that was handed out again is freed, and the figures are exact."""
+    lease, seed = 0.5, backend.seed or 11
+    r1 = backend.create(size="8M", nodes=2, node=1, lease=lease)  # node 1 frees remotely
+    start = r1.usage()
+    spec = backend.spec()
+    (objs,) = raise_failures(run_procs(_alloc_tagged, [(spec, 0, {64: 300, 1000: 100}, seed)]))
+    gone, live = objs[::2], objs[1::2]
+    for off, _ in gone:
+        r1.free(off)  # 200 remote frees queued for node 0
+    assert _run_child(_drain_and_die, spec, 0, point, nth) == -signal.SIGKILL, \
+        f"the drainer was not killed at {point}@{nth}"
+    if replay == "repair":
+        time.sleep(lease * 2.5)  # node 0 is dead now
+        cxcheck.repair(spec, 0)
+    (mine,) = raise_failures(run_procs(_next_process, [(spec, 0, live, seed)]))
+    everything = live + mine
+    _assert_disjoint(everything)
+    _assert_tags(r1, everything, seed, "after the replay")
+    use = r1.usage()
+    assert use["small_objects"] == len(everything), (use["small_objects"], len(everything))
+    assert use["small_bytes"] == sum(64 if n == 64 else 1024 for _, n in everything)
+    reused = {off for off, _ in mine}
+    for off, _ in gone:  # freed once already and not handed out again: a double free
+        if off not in reused:
+            with pytest.raises(cxlrt.InvalidFreeError):
+                r1.free(off)
+    with cxlrt.open(spec, node=0) as r0:
+        for off, _ in everything:
+            r0.free(off)
+        r0.trim()
+    assert r1.usage() == start
+    report = cxcheck.check(spec)
+    assert report["problems"] == [], report["problems"]
+    r1.close()
+
+
+def test_remote_frees_beyond_any_queue_bound_live_idle_owner(backend):
+    """Scenario 9 of issue 9: another node frees 2000 small objects of a live, idle
+    owner in one go; no free fails, and once the owner drains all are reusable."""
+    r0 = backend.create(size="16M", nodes=2, lease=30.0)  # the owner: alive, idle
+    start = r0.usage()
+    offs = [r0.alloc(64) for _ in range(1500)] + [r0.alloc(200) for _ in range(500)]
+    peak = r0.usage()
+    r1 = backend.open(1)
+    for off in offs:
+        r1.free(off)
+    with pytest.raises(cxlrt.InvalidFreeError, match="double free"):
+        r1.free(offs[1234])  # queued already
+    r0.trim()  # the owner drains (and gives its empty chunks back)
+    assert r0.usage() == start
+    again = [r0.alloc(64) for _ in range(1500)] + [r0.alloc(200) for _ in range(500)]
+    assert r0.usage()["small_chunks"] == peak["small_chunks"]  # reused, nothing leaked
+    for off in again:
+        r1.free(off)
+    r0.trim()
+    assert r0.usage() == start
+    assert cxcheck.check(backend.spec())["problems"] == []
+    r1.close()
+    r0.close()
+
+
+def _alloc_report_and_die(spec, node, n, q):
+    r = cxlrt.open(spec, node=node)
+    q.put([r.alloc(64) for _ in range(n)])
+    time.sleep(0.5)  # let the parent take the list before we vanish
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.crash
+def test_remote_frees_beyond_any_queue_bound_dead_owner_repaired(backend):
+    """Scenario 9 of issue 9, owner dead: 2000 remote frees succeed, `cxlrt check`
+    reports them queued, and `--repair` applies them all."""
+    lease = 0.5
+    r1 = backend.create(size="16M", nodes=2, node=1, lease=lease)
+    start = r1.usage()
+    q = _CTX.Queue()
+    p = _CTX.Process(target=_alloc_report_and_die, args=(backend.spec(), 0, 2000, q))
+    p.start()
+    offs = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    for off in offs:
+        r1.free(off)
+    time.sleep(lease * 2.5)
+    text = "\n".join(cxcheck.check(backend.spec())["problems"])
+    assert "node 0 is dead with 2000 queued remote frees" in text, text
+    done = cxcheck.repair(backend.spec(), 0)
+    assert "applied 2000 queued remote frees" in done["actions"], done["actions"]
+    assert r1.usage() == start
+    report = cxcheck.check(backend.spec())
+    assert report["problems"] == [], report["problems"]
+    r1.close()
+
+
+def test_a_slow_allocator_lock_holder_does_not_stop_heartbeats(backend):
+    """Scenario 2 of issue 9 (allocator part): node 0 has remote frees queued and holds
+    a lock while node 2 sits on the allocator lock for several leases. Node 0's
+    heartbeat must not wait for the allocator lock, so node 1 must never judge node 0
+    dead and take the lock node 0 still holds."""
+    lease = 0.5
+    r0 = backend.create(nodes=3, lease=lease)
+    r1, r2 = backend.open(1), backend.open(2)
+    objs = [r0.alloc(64) for _ in range(8)]
+    user = r0.lock("user")
+    user.acquire()
+    alloc_lock = r2.lock("cxlrt.alloc")
+    r1.free(objs[0])       # queued for node 0: applying it needs the allocator lock
+    alloc_lock.acquire()   # ... which a slow node now holds
+    try:
+        got = r1.lock("user").acquire(timeout=4 * lease)
+        dead = cxcheck.check(backend.spec())["dead_nodes"]
+    finally:
+        alloc_lock.release()
+    assert not got, "node 1 took a lock live node 0 holds: node 0's heartbeat stalled"
+    assert 0 not in dead
+    user.release()         # no LeaseLost: node 0 never went silent
+    assert getattr(r0.locks, "on_beat", None) is None  # no allocator work in the heartbeat
+    for off in objs[1:]:
+        r0.free(off)
+    r0.trim()
+    assert r0.usage()["small_objects"] == 0
+    for r in (r2, r1, r0):
+        r.close()
+
+
+def _free_and_die(spec, node, offs, nth):
+    from cxlrt import crash
+    r = cxlrt.open(spec, node=node)
+    crash.arm("free.remote", "kill", nth)
+    for off in offs:
+        r.free(off)
+    os._exit(7)
+
+
+@pytest.mark.crash
+def test_freer_killed_mid_free_then_the_free_is_retried(backend):
+    """A remote freer SIGKILLed inside a free leaves nothing half-done that matters:
+    the frees before it count, the interrupted one can be retried by any node, and a
+    real double free is still refused."""
+    lease = 0.5
+    r0 = backend.create(nodes=3, lease=lease)
+    start = r0.usage()
+    offs = [r0.alloc(64) for _ in range(10)]
+    assert _run_child(_free_and_die, backend.spec(), 1, offs, 3) == -signal.SIGKILL
+    r2 = backend.open(2)
+    with pytest.raises(cxlrt.InvalidFreeError, match="double free"):
+        r2.free(offs[0])  # the dead freer's first free was queued
+    for off in offs[2:]:
+        r2.free(off)      # offs[2] is the interrupted one: its retry succeeds
+    r0.trim()
+    assert r0.usage() == start
+    r2.close()
+    r0.close()
+
+
+def test_a_busy_owner_applies_remote_frees_without_being_asked(backend):
+    """Queued remote frees are applied on the owner's own allocation and free path,
+    not only when it runs out of room or trims."""
+    r0 = backend.create(size="8M", nodes=2)
+    r1 = backend.open(1)
+    offs = [r0.alloc(64) for _ in range(100)]
+    for off in offs:
+        r1.free(off)
+    for _ in range(1000):  # plenty of room in the current chunk: no slow path
+        r0.free(r0.alloc(128))
+    assert r0.usage()["small_objects"] == 0
+    r1.close()
+    r0.close()
+
+
+def _step_and_die(spec, node, point):
+    from cxlrt import crash
+    r = cxlrt.open(spec, node=node)
+    mine = r.alloc(64)
+    crash.arm(point, "kill", 1)
+    if point == "free.local":
+        r.free(mine)
+    else:
+        r.alloc(64 if point == "alloc.small" else 200000)
+    os._exit(7)
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["alloc.small", "alloc.large", "free.local"])
+def test_a_process_killed_mid_step_wedges_nothing(backend, point):
+    """Killed holding the heap mutex or the allocator lock: the node's next process
+    and the other nodes carry on, and `cxlrt check` finds nothing wrong."""
+    r1 = backend.create(nodes=2, node=1, lease=0.5)
+    spec = backend.spec()
+    assert _run_child(_step_and_die, spec, 0, point) == -signal.SIGKILL
+    with cxlrt.open(spec, node=0) as r0:
+        offs = [r0.alloc(64) for _ in range(10)] + [r0.alloc(200000)]
+        for off in offs:
+            r0.free(off)
+    big = r1.alloc(200000)  # the allocator lock is free again
+    r1.free(big)
+    report = cxcheck.check(spec)
+    assert report["problems"] == [], report["problems"]
+    r1.close()

@@ -62,6 +62,7 @@ def _overlap_worker(spec, node, name, tag, seconds, barrier):
         if not lock.acquire(timeout=5 * LEASE + 5):
             continue
         try:
+            r.flush(off, 8)  # observe before we write: the last writer was another node
             r.store64(off, tag)
             r.persist(off, 8)
             os.sched_yield()
@@ -236,7 +237,7 @@ def test_a_slow_peer_cannot_make_a_healthy_node_look_dead(backend, reaper):
     """Scenario 2: node 3 holds the allocator lock for many leases while a free is
     queued for node 0, which holds lock 'x'. Node 0 is healthy: node 2 must not get
     'x' (earlier, node 0's heartbeat waited on the allocator lock and stopped)."""
-    r = backend.create(nodes=4, lease=LEASE)
+    r = backend.create(nodes=4, node=1, lease=LEASE)  # node 0 is the child alone
     r.lock("x")
     q, holding, done = _CTX.Queue(), _CTX.Event(), _CTX.Event()
     out = _CTX.Queue()

@@ -29,7 +29,6 @@ cdef enum:
     CXL_DIR_ENTRIES = 128
     CXL_DIR_ENTRY = 128       # two lines: header + name
     CXL_DIR_NAME = 64         # bytes of a directory name (UTF-8)
-    CXL_RFREE_SLOTS = 504     # remote-free queue entries a node (4 KiB with its header)
     CXL_SEC_NODES = 0
     CXL_SEC_LOCKS = 1
     CXL_SEC_DIR = 2
@@ -116,11 +115,17 @@ ctypedef struct cxl_mgr_claim:
 # --- directory ------------------------------------------------------------------
 
 ctypedef struct cxl_dir_entry:
+    # line 0 (written under lock 0; protocol in directory.py)
     uint64_t state            # 0 free, 1 used
     uint64_t off              # the named object's offset
     uint64_t name_len
-    uint64_t reserved[5]
-    char name[64]             # continues into the second line (CXL_DIR_NAME bytes)
+    uint64_t generation       # seqlock: odd while a change is being applied
+    uint64_t redo             # the change: new state | name_len << 8 | (writer node + 1) << 16
+    uint64_t redo_off         # the change: new offset
+    uint64_t redo_tag         # the odd generation the redo record belongs to
+    uint64_t redo_seal        # checksum of the redo record
+    # line 1
+    char name[64]             # CXL_DIR_NAME bytes of UTF-8
 
 
 # --- allocator --------------------------------------------------------------------

@@ -107,13 +107,18 @@ def test_checksummed_but_inconsistent_sections_are_rejected(region_dir, index, d
         cxlrt.open(f"file:{p}", node=0)
 
 
-def test_saturated_attach_counter_does_not_lock_a_node_out(region_dir):
+def test_saturated_node_counters_do_not_lock_a_node_out(region_dir):
+    """Attach count and incarnation wrap (the incarnation skips 0, which means none)."""
     spec = f"file:{region_dir}/h"
     r = cxlrt.open(spec, node=0, create=True, size="1M", nodes=2)
-    r.store64(r.node_area(1) + 16, 2**64 - 1)
+    r.store64(r.node_area(1) + 48, 2**64 - 1)  # attaches
+    r.store64(r.node_area(1) + 16, 2**64 - 1)  # incarnation
+    r.persist(r.node_area(1), 64)
     r.close()
     with cxlrt.open(spec, node=1) as r1:
-        assert r1.load64(r1.node_area(1) + 16) == 0
+        r1.flush(r1.node_area(1), 64)
+        assert r1.load64(r1.node_area(1) + 48) == 0
+        assert r1.load64(r1.node_area(1) + 16) == 1 == r1.liveness.incarnation
 
 
 def test_concurrent_emu_attach_shares_one_sidecar(region_dir):

@@ -46,7 +46,8 @@ way never seen before (an exception type, or an error message once its numbers
 are blanked out, per operation) joins a corpus, and half of the later images
 stack one or two more mutations on a corpus entry. Images are made in batches
 from the corpus as it stood after the previous batch, so a run is a function of
-``--seed`` whatever ``--jobs`` is (up to timing: heartbeat ages, lease gaps).
+``--seed`` whatever ``--jobs`` is, up to what timing decides (heartbeat ages, lease
+gaps, LRU ties between blocks used in the same millisecond).
 
 Locks: ``Lock.acquire`` takes a timeout, but the acquisitions inside ``alloc``,
 ``free``, ``put``, ``KVCache.store``, channel role claims and lock creation have
@@ -88,6 +89,7 @@ CHAN_SLOTS = 4
 CHAN_MSG = 100
 GUARD_TIMEOUT_S = 0.02    # how long the lock guard waits for a lock before calling it wedged
 OP_TIMEOUT_S = 0.01       # recv/send timeouts inside an image
+STARTUP_S = 120.0         # a worker that does not start within this is a broken harness
 SLOW_OP_MS = 1000         # an operation this slow is listed (a loop bounded by a corrupt count?)
 SEED_MODES = ("clean", "crashed")
 MASK64 = (1 << 64) - 1
@@ -449,6 +451,9 @@ def new_mutations(rng: random.Random, seed: Seed, count: int) -> list:
 # --- the worker: run the operations on one image ----------------------------------------
 
 
+_TIMING = frozenset({"LockTimeout", "GuardTimeout", "LeaseLost", "TimeoutError"})
+
+
 def _norm(msg: str) -> str:
     """An error message with numbers and offsets blanked: one feature per message kind."""
     return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", msg)[:160]
@@ -475,7 +480,8 @@ class _Runner:
             v = fn(*args, **kw)
         except Exception as e:  # every exception is a pass; only signals and hangs fail
             self.out[name] = type(e).__name__
-            self.msgs[name] = str(e)[:300]
+            # The image's path differs from worker to worker: out of the message.
+            self.msgs[name] = str(e).replace(self.path, "IMAGE")[:300]
             v = None
         else:
             self.out.setdefault(name, "ok")
@@ -684,15 +690,16 @@ def _clear_dir(path: str) -> None:
             os.unlink(e.path)
 
 
-def worker_main(out_dir: str) -> int:
+def worker_main(out_dir: str, local: str) -> int:
     """Read cases from stdin (JSON lines), run each, answer on stdout.
 
-    ``S op`` before each operation, ``R {...}`` after the image. Dies only of a signal.
+    ``READY`` once started, ``S op`` before each operation, ``R {...}`` after the
+    image. Dies only of a signal. `local` (made by the parent, which removes it) is
+    the node-local folder, emptied before each image; the image file is `local`.img.
     """
     import faulthandler
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    local = tempfile.mkdtemp(prefix="cxlrt-fuzz-local-", dir="/dev/shm")
     os.environ["CXLRT_LOCAL_DIR"] = local
     img_path = local + ".img"
     seeds = {m: load_seed(os.path.join(out_dir, "seeds"), m) for m in SEED_MODES}
@@ -708,6 +715,8 @@ def worker_main(out_dir: str) -> int:
         out.flush()
 
     fd = os.open(img_path, os.O_RDWR | os.O_CREAT, 0o600)
+    out.write(b"READY\n")  # the parent's watchdog starts with the first image, not before
+    out.flush()
     try:
         for line in sys.stdin.buffer:
             case = json.loads(line)
@@ -732,8 +741,6 @@ def worker_main(out_dir: str) -> int:
             out.flush()
     finally:
         os.close(fd)
-        os.unlink(img_path)
-        shutil.rmtree(local, ignore_errors=True)
     return 0
 
 
@@ -746,13 +753,17 @@ class _Worker:
         self.err_path = os.path.join(out_dir, "workers", f"w{k}.err")
         os.makedirs(os.path.dirname(self.err_path), exist_ok=True)
         self.err = open(self.err_path, "ab")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.local = tempfile.mkdtemp(prefix="cxlrt-fuzz-local-", dir=shm)
         self.p = subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", "-m", "cxlrt.fuzz", "--worker", out_dir],
+            [sys.executable, "-X", "faulthandler", "-m", "cxlrt.fuzz", "--worker", out_dir,
+             "--local", self.local],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
         self.buf = b""
+        self.ready = False
         self.case: dict | None = None
         self.op = ""
-        self.since = 0.0
+        self.since = time.monotonic()  # until ready: when it started
         self.err_at = 0
 
     def send(self, case: dict) -> None:
@@ -779,15 +790,30 @@ class _Worker:
             f.seek(self.err_at)
             return f.read().decode("utf-8", "replace")
 
-    def kill(self) -> int:
+    def kill(self, grace: float = 0.0) -> int:
+        """Stop the worker (after `grace` seconds to finish on its own) and clean up."""
+        if grace:
+            try:
+                self.p.stdin.close()  # end of cases: it leaves its loop
+                self.p.wait(grace)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         try:
             self.p.kill()
         except ProcessLookupError:
             pass
         rc = self.p.wait()
         for s in (self.p.stdin, self.p.stdout):
-            s.close()
+            try:
+                s.close()
+            except OSError:
+                pass
         self.err.close()
+        shutil.rmtree(self.local, ignore_errors=True)
+        try:
+            os.unlink(self.local + ".img")
+        except FileNotFoundError:
+            pass
         return rc
 
 
@@ -882,7 +908,10 @@ class Fuzzer:
     def _learn(self, case: dict, res: dict) -> None:
         new = False
         for op, outcome in res["ops"].items():
-            f = (op, outcome, _norm(res["msgs"].get(op, "")))
+            # Outcomes that depend on timing do not steer the corpus: the run stays a
+            # function of its seed.
+            f = (op, "timing" if outcome in _TIMING else outcome,
+                 "" if outcome in _TIMING else _norm(res["msgs"].get(op, "")))
             if f not in self.features:
                 self.features.add(f)
                 new = True
@@ -940,7 +969,7 @@ class Fuzzer:
                     self._progress(end - start)
         finally:
             for w in workers:
-                w.kill()
+                w.kill(grace=5.0)
         rep.seconds = time.monotonic() - t0
         with open(os.path.join(self.out_dir, "report.json"), "w") as f:
             json.dump(rep.as_dict(), f, indent=1)
@@ -955,96 +984,111 @@ class Fuzzer:
               f"features {rep.features}; {top}", file=sys.stderr, flush=True)
 
     def _run_batch(self, workers: list[_Worker], batch: list[dict]) -> dict[int, dict]:
-        rep = self.report
         todo = collections.deque(batch)
         results: dict[int, dict] = {}
-        busy = 0
-        for w in workers:
-            if todo:
-                w.send(todo.popleft())
-                busy += 1
-        while busy:
-            live = [w for w in workers if w.case is not None]
+        while todo or any(w.case is not None for w in workers):
+            for w in workers:
+                if w.ready and w.case is None and todo:
+                    w.send(todo.popleft())
+            watched = [w for w in workers if w.case is not None or not w.ready]
             now = time.monotonic()
-            wait = max(0.0, min(w.since + self.timeout for w in live) - now)
-            ready, _, _ = select.select([w.p.stdout for w in live], [], [], min(wait, 1.0))
-            for w in live:
+            wait = min((w.since + (self.timeout if w.ready else STARTUP_S)) - now
+                       for w in watched)
+            ready, _, _ = select.select([w.p.stdout for w in watched], [], [],
+                                        min(max(0.0, wait), 1.0))
+            for w in watched:
                 done = None
                 if w.p.stdout in ready:
                     for line in w.lines():
-                        if line.startswith(b"S "):
+                        if line == b"READY":
+                            w.ready = True
+                        elif line.startswith(b"S "):
                             w.op = line[2:].decode()
                         elif line.startswith(b"R "):
                             done = json.loads(line[2:])
                         elif line == b"":
                             done = "died"
                             break
-                elif time.monotonic() - w.since > self.timeout:
+                elif not w.ready and time.monotonic() - w.since > STARTUP_S:
+                    raise RuntimeError(f"a fuzz worker did not start within {STARTUP_S} s: "
+                                       f"see {w.err_path}")
+                elif w.ready and time.monotonic() - w.since > self.timeout:
                     done = "hung"
                 if done is None:
                     continue
-                rep.images += 1
-                busy -= 1
                 k = workers.index(w)
+                if w.case is None:  # died before its first image: the harness is broken
+                    raise RuntimeError(f"a fuzz worker died while starting: see {w.err_path}")
                 if isinstance(done, dict):
                     results[done["i"]] = done
-                    rep.stray += done["stray"] > 0
-                    rep.image_s.append(done["t"])
-                    for op, ms in done["ms"].items():
-                        rep.op_ms[op] += ms
-                        if ms > SLOW_OP_MS and len(rep.slow) < 50:
-                            rep.slow.append({"image": done["i"], "op": op, "ms": round(ms),
-                                             "outcome": done["ops"].get(op)})
-                    for op, outcome in done["ops"].items():
-                        rep.by_op[op][outcome] += 1
-                        if outcome != "ok":
-                            rep.by_type[outcome] += 1
+                    self._count(done)
                     w.case = None
                     if done["leak"] > 0:  # threads left behind (a close that failed)
-                        rep.leaks.append({"image": done["i"], "threads": done["threads"],
-                                          "ops": done["ops"]})
+                        self.report.leaks.append({"image": done["i"], "threads": done["threads"],
+                                                  "ops": done["ops"]})
                         w.kill()
-                        workers[k] = w = _Worker(self.out_dir, k)
+                        workers[k] = _Worker(self.out_dir, k)
                 else:
-                    native = ""
-                    if done == "hung":
-                        try:
-                            os.kill(w.p.pid, signal.SIGUSR1)  # faulthandler: every stack
-                        except ProcessLookupError:
-                            pass
-                        time.sleep(0.5)
-                        native = _native_stack(w.p.pid)
-                    rc = w.kill() if done == "hung" else w.p.wait()
-                    if done == "died":
-                        w.kill()
-                    if done == "hung":
-                        rep.hangs.append(self._save("hang", w, f"no answer in {self.timeout} s",
-                                                    native))
-                    else:
-                        sig = -rc if rc < 0 else 0
-                        what = (f"killed by {signal.Signals(sig).name}" if sig
-                                else f"exited with status {rc}")
-                        rep.crashes.append(self._save("crash", w, what, ""))
-                    workers[k] = w = _Worker(self.out_dir, k)
-                if todo:
-                    w.send(todo.popleft())
-                    busy += 1
+                    self._failed(w, done)
+                    workers[k] = _Worker(self.out_dir, k)
         return results
+
+    def _count(self, done: dict) -> None:
+        rep = self.report
+        rep.images += 1
+        rep.stray += done["stray"] > 0
+        rep.image_s.append(done["t"])
+        for op, ms in done["ms"].items():
+            rep.op_ms[op] += ms
+            if ms > SLOW_OP_MS and len(rep.slow) < 50:
+                rep.slow.append({"image": done["i"], "op": op, "ms": round(ms),
+                                 "outcome": done["ops"].get(op)})
+        for op, outcome in done["ops"].items():
+            rep.by_op[op][outcome] += 1
+            if outcome != "ok":
+                rep.by_type[outcome] += 1
+
+    def _failed(self, w: _Worker, done: str) -> None:
+        """Record a worker that died of its image ("died") or stopped answering ("hung")."""
+        rep = self.report
+        rep.images += 1
+        if done == "hung":
+            try:
+                os.kill(w.p.pid, signal.SIGUSR1)  # faulthandler: every thread's Python stack
+            except ProcessLookupError:
+                pass
+            time.sleep(0.5)
+            native = _native_stack(w.p.pid)
+            w.kill()
+            rep.hangs.append(self._save("hang", w, f"no answer in {self.timeout} s", native))
+            return
+        rc = w.p.wait()
+        w.kill()
+        sig = -rc if rc < 0 else 0
+        what = f"killed by {signal.Signals(sig).name}" if sig else f"exited with status {rc}"
+        rep.crashes.append(self._save("crash", w, what, ""))
 
 
 # --- replay and the command line -------------------------------------------------------
 
 
-def replay(case_dir: str) -> dict:
-    """Run a saved case's operations in this process (a crash kills it; see faulthandler)."""
-    with open(os.path.join(case_dir, "case.json")) as f:
-        info = json.load(f)
-    case = info["case"]
+def replay(case_dir: str, local: str | None = None) -> dict:
+    """Run a saved case's operations in this process (a crash kills it; see faulthandler).
+
+    `local`: the node-local folder to use (the image goes to `local`.img); by default
+    ``DIR/replay-local``, made afresh and removed afterwards (a crash leaves it there).
+    """
     import faulthandler
+    with open(os.path.join(case_dir, "case.json")) as f:
+        case = json.load(f)["case"]
     if not faulthandler.is_enabled():
         faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on demand
-    local = tempfile.mkdtemp(prefix="cxlrt-fuzz-replay-", dir="/dev/shm")
+    mine = local is None
+    if local is None:
+        local = os.path.join(case_dir, "replay-local")
+        shutil.rmtree(local, ignore_errors=True)
+        os.mkdir(local)
     os.environ["CXLRT_LOCAL_DIR"] = local
     path = local + ".img"
     shutil.copyfile(os.path.join(case_dir, "image.bin"), path)
@@ -1052,8 +1096,9 @@ def replay(case_dir: str) -> dict:
         return _Runner(path, case, lambda op: print(f"op {op}", file=sys.stderr,
                                                      flush=True)).run()
     finally:
-        os.unlink(path)
-        shutil.rmtree(local, ignore_errors=True)
+        if mine:
+            os.unlink(path)
+            shutil.rmtree(local, ignore_errors=True)
 
 
 def _native_stack(pid: int) -> str:
@@ -1078,14 +1123,16 @@ def _try_case(case: dict, image: bytes, timeout: float,
 
     The outcome is "crash:SIGNAME", "hang" or "pass".
     """
-    with tempfile.TemporaryDirectory(prefix="cxlrt-fuzz-min-") as d:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="cxlrt-fuzz-min-", dir=shm) as d:
         with open(os.path.join(d, "case.json"), "w") as f:
             json.dump({"case": case}, f)
         with open(os.path.join(d, "image.bin"), "wb") as f:
             f.write(image)
+        os.mkdir(os.path.join(d, "local"))  # removed with d, even when the replay is killed
         p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "cxlrt.fuzz",
-                              "--replay", d], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+                              "--replay", d, "--local", os.path.join(d, "local")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _, err = p.communicate(timeout=timeout)
             outcome = f"crash:{signal.Signals(-p.returncode).name}" if p.returncode < 0 \
@@ -1171,6 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="shrink a saved crash or hang to the mutations it needs (writes "
                         "DIR/minimal.json and DIR/minimal.bin)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--local", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--build-seed", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--seed-mode", choices=SEED_MODES, help=argparse.SUPPRESS)
     p.add_argument("--inject", action="append", default=[], metavar="I:KIND",
@@ -1180,9 +1228,9 @@ def main(argv: list[str] | None = None) -> int:
         _build_seed(args.build_seed, args.seed_mode)
         return 0
     if args.worker:
-        return worker_main(args.worker)
+        return worker_main(args.worker, args.local)
     if args.replay:
-        res = replay(args.replay)
+        res = replay(args.replay, args.local)
         print(json.dumps(res, indent=1))
         return 0
     if args.minimize:

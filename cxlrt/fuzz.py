@@ -51,11 +51,11 @@ gaps, LRU ties between blocks used in the same millisecond).
 
 Locks: ``Lock.acquire`` takes a timeout, but the acquisitions inside ``alloc``,
 ``free``, ``put``, ``KVCache.store``, channel role claims and lock creation have
-none, so a corrupt lock record can make them wait for ever. With the lock guard
-(the default) each image first tries every lock those operations take with a
-short timeout; an operation whose lock is wedged is skipped and counted as
-``GuardTimeout`` (and the allocator, whose heartbeat drain would wait too, is not
-made). ``--no-guard`` runs them anyway: the wedges then show up as hangs.
+none. A corrupt ticket on the line of a node that is not alive stops counting
+(liveness.pxd), so these operations must end by themselves: by default nothing
+guards them, and a wedge is a hang. ``--guard`` first tries every lock those
+operations take with a short timeout and skips an operation whose lock is wedged
+(counted as ``GuardTimeout``), to look past a known wedge while another is fixed.
 """
 
 from __future__ import annotations
@@ -870,7 +870,7 @@ class Fuzzer:
     """
 
     def __init__(self, out_dir: str, *, seed: int = 0, jobs: int = 1, timeout: float = 5.0,
-                 guard: bool = True, inject: dict | None = None, progress: bool = True,
+                 guard: bool = False, inject: dict | None = None, progress: bool = True,
                  batch: int = 64) -> None:
         self.out_dir = os.path.abspath(out_dir)
         self.seed = seed
@@ -1208,9 +1208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="folder for seeds/, crashes/, workers/ and report.json (a new folder "
                         "in the temp dir)")
-    p.add_argument("--no-guard", dest="guard", action="store_false",
-                   help="run operations whose locks have no timeout even when a lock is "
-                        "wedged (they then hang); with --minimize, replay without the guard")
+    p.add_argument("--guard", action="store_true",
+                   help="probe the locks of operations that have no timeout first and skip "
+                        "an operation whose lock is wedged (default: run everything, so a "
+                        "wedge is a hang); with --minimize, replay with the guard")
     p.add_argument("--start", type=int, default=0, help="index of the first image (0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--replay", metavar="DIR", help="re-run a saved crash or hang in this process")
@@ -1235,7 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.minimize:
         res = minimize(args.minimize, timeout=min(args.timeout, 3.0),
-                       guard=None if args.guard else False)
+                       guard=True if args.guard else None)
         print(f"{res['outcome']} in {res['op']} with {len(res['mutations'])} mutation(s):")
         for m in res["mutations"]:
             print(f"  {m}")

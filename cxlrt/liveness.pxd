@@ -70,10 +70,11 @@ cdef class Liveness:
     cdef readonly NodeLocal local    # this node's node-local file
     cdef readonly object region
     cdef readonly int record         # our slot in the node-local process table
-    cdef object _thread_lock
+    cdef object _backend             # keeps V.r's memory alive while the thread runs
+    cdef object _sweep_owner         # keeps sweep_ctx's memory alive while installed
     cdef unsigned long _thread       # pthread_t of the beat thread, 0 none
     cdef int _owner_pid              # the process that started it (fork safety)
     cdef bint _closed
 
     cdef cxl_live* ctx(self) noexcept
-    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx) noexcept
+    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx, object owner)

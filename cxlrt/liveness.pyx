@@ -6,8 +6,9 @@ lock manager, KV writers and pins, channel roles, `cxlrt check`) asks here.
 """
 
 import os
-import threading
 import time
+
+cimport cython
 
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memset
@@ -237,6 +238,7 @@ cdef void* _beat_main(void* arg) noexcept nogil:
     return NULL
 
 
+@cython.no_gc_clear  # the beat thread uses our fields until __dealloc__ has stopped it
 cdef class Liveness:
     """This process's membership of its node: attach, heartbeat, detach.
 
@@ -251,6 +253,7 @@ cdef class Liveness:
         self.record = -1
         memset(&self.V, 0, sizeof(cxl_live))
         cxl_plain_mutex_init(&self.V.sweep_mu)
+        self._backend = region.backend
         self.V.r = (<Backend>region.backend).region()
         self.V.nodes_off = region.sections["nodes"][0]
         self.V.lease_ns = <uint64_t>region.lease_ms * 1000000
@@ -267,12 +270,15 @@ cdef class Liveness:
     cdef cxl_live* ctx(self) noexcept:
         return &self.V
 
-    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx) noexcept:
-        """Install (or with NULL remove) the beat thread's node-local sweep."""
-        cxl_plain_mutex_lock(&self.V.sweep_mu)
-        self.V.sweep = fn
-        self.V.sweep_ctx = ctx
-        cxl_plain_mutex_unlock(&self.V.sweep_mu)
+    cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx, object owner):
+        """Install (or with NULL remove) the beat thread's node-local sweep; `owner`
+        holds `ctx` and is kept alive while the sweep is installed."""
+        with nogil:
+            cxl_plain_mutex_lock(&self.V.sweep_mu)
+            self.V.sweep = fn
+            self.V.sweep_ctx = ctx
+            cxl_plain_mutex_unlock(&self.V.sweep_mu)
+        self._sweep_owner = owner
 
     # attach ------------------------------------------------------------------------
     def _area(self):

@@ -619,7 +619,7 @@ cdef class LockService:
         self._mgr_thread = None
         self.mgr_epoch = 0
         self.mgr_exit = None
-        live.set_sweep(cxl_lock_sweep, &self.L)
+        live.set_sweep(cxl_lock_sweep, &self.L, self)
 
     def sweep(self):
         """Give back the holds of dead processes of our node now; how many."""
@@ -853,7 +853,7 @@ cdef class LockService:
         self.stop_manager()
         self._closed = True
         self._stop.set()
-        self.live.set_sweep(NULL, NULL)
+        self.live.set_sweep(NULL, NULL, None)
 
 
 cdef class Lock:

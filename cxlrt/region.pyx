@@ -151,7 +151,11 @@ cdef class Region:
     def locks_for(self, live):
         from cxlrt.lock import LockService
         svc = LockService(self, live)
-        svc.ensure_builtin()
+        try:
+            svc.ensure_builtin()
+        except BaseException:
+            svc.close()  # uninstalls its sweep: nothing of it outlives the error
+            raise
         self._locks = svc
         return svc
 

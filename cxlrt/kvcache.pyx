@@ -77,8 +77,8 @@ from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
 from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_DEAD, CXL_LIVE_DETACHED, CXL_LIVE_NEVER,
-                             cxl_node_state)
-from cxlrt.lock cimport cxl_lockctx
+                             cxl_live_silent_since, cxl_node_state)
+from cxlrt.lock cimport CXLRT_E_FENCED, cxl_lockctx
 from cxlrt.region cimport Region
 
 
@@ -242,6 +242,7 @@ cdef class KVCache:
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
     cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
     cdef int _id_pid
+    cdef uint64_t _hold_t0               # our ns when the current sound hold began, 0 none
     cdef dict _seen                      # (slot, epoch) -> (progress, our ns when it last moved)
     cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
 
@@ -467,9 +468,18 @@ cdef class KVCache:
         e.check = _mix(e)
         return self._put(self._entries + s * 64, e)
 
+    cdef int _fenced(self) noexcept nogil:
+        """1 if we were silent past the lease since our hold of the cache lock began:
+        another node may hold it now, so we must not write (checked before every
+        write under the lock; lookups and loads never ask)."""
+        return self._hold_t0 != 0 and cxl_live_silent_since(self.L.live, self._hold_t0)
+
     cdef int _put(self, uint64_t at, const void* line) noexcept nogil:
         """Publish one whole line (cache lock held: we are its only writer)."""
-        cdef int rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
+        cdef int rc
+        if self._fenced():
+            return CXLRT_E_FENCED
+        rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
         if rc == 0:
             rc = cxl_store(self.r, at, line, 64)
         if rc == 0:
@@ -537,7 +547,10 @@ cdef class KVCache:
 
     cdef int _set_counters(self, const uint64_t* w) noexcept nogil:
         cdef uint64_t at = self.offset + 128
-        cdef int rc = cxl_store(self.r, at, w, 24)
+        cdef int rc
+        if self._fenced():
+            return CXLRT_E_FENCED
+        rc = cxl_store(self.r, at, w, 24)
         if rc == 0:
             rc = cxl_persist(self.r, at, 64)
         return rc
@@ -634,6 +647,8 @@ cdef class KVCache:
         """free() a payload nobody references; a failure leaves a DEFERRED record."""
         cdef kv_claim c
         cdef int i
+        if self._fenced():
+            self._raise(CXLRT_E_FENCED, "free")
         try:
             self.region.free(off)
             return 0
@@ -831,7 +846,7 @@ cdef class KVCache:
         try:
             self._settle()
         finally:
-            self._lock.release()
+            self._release_quietly()
         return n
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
@@ -859,6 +874,11 @@ cdef class KVCache:
         return rc
 
     cdef int _raise(self, int rc, str what) except -1:
+        if rc == CXLRT_E_FENCED:
+            raise LeaseLost(
+                f"KV cache {self.name!r}: {what}: this process was silent for longer than the "
+                f"{self.region.lease_ms / 1000:g} s lease while it held the cache lock; another "
+                "node may hold it now, so nothing more was written")
         if rc == CXLRT_E_KVCORRUPT:
             raise RegionError(
                 f"KV cache {self.name!r}: {what}: slot {self._bad_slot} holds an entry or "
@@ -1132,21 +1152,10 @@ cdef class KVCache:
                     break  # no room even after eviction: store what we have
                 reserved.append(got + (j,))
         except BaseException:
-            try:
-                self._finish(reserved, ks, False)  # nothing half-reserved stays behind
-            finally:
-                self._release_quietly()
+            self._release_quietly()
+            self._abandon(reserved, ks)  # nothing half-reserved stays behind
             raise
-        try:
-            self._lock.release()
-        except LeaseLost:
-            # Another node may have held the lock with us: give our claims back.
-            self._hold(None)
-            try:
-                self._finish(reserved, ks, False)
-            finally:
-                self._release_quietly()
-            raise
+        self._release_quietly()  # every write above was fenced: a late LeaseLost is moot
         done = False
         published = lost = ()
         try:
@@ -1159,11 +1168,7 @@ cdef class KVCache:
             done = True
         finally:
             if reserved:
-                self._hold(reserved)  # keeps our progress words moving while it waits
-                try:
-                    published, lost = self._finish(reserved, ks, done)
-                finally:
-                    self._lock.release()
+                published, lost = self._publish(reserved, ks, done)
         st[3] = len(published)
         st[6] = len(published) * bb
         cdef int rc
@@ -1189,8 +1194,10 @@ cdef class KVCache:
         again. While we wait with claims of ours (`reserved`), their progress
         words keep moving, so nobody takes them over for waiting.
         """
+        cdef uint64_t t0
         tick_s = self._tick_ns / 1e9
         for _ in range(64):
+            t0 = cxl_now_ns()
             if reserved:
                 while not self._lock.acquire(timeout=tick_s):
                     self._tick_progress(reserved)
@@ -1198,18 +1205,55 @@ cdef class KVCache:
                 self._lock.acquire()
             try:
                 self._lock.check()
-                return
             except LeaseLost:
-                self._release_quietly()
+                self._lock_release()
                 time.sleep(tick_s)  # our heartbeat thread resumes beating meanwhile
+                continue
+            self._hold_t0 = t0  # from here every write first asks _fenced()
+            return
         raise LeaseLost(f"KV cache {self.name!r}: this process keeps being silent for longer "
                         "than the lease; it cannot hold the cache lock soundly")
 
-    def _release_quietly(self):
+    def _lock_release(self):
         try:
             self._lock.release()
         except LeaseLost:
+            pass  # a silence the fence already answered: nothing was written during it
+
+    def _release_quietly(self):
+        """Let the cache lock go (if this thread holds it)."""
+        if self._hold_t0 == 0:
+            return
+        self._hold_t0 = 0
+        self._lock_release()
+
+    def _abandon(self, list reserved, list ks):
+        """Give back the claims of a store that failed before its copy (best effort:
+        what we cannot give back is taken over by the next store and freed once this
+        process is gone)."""
+        if not reserved:
+            return
+        try:
+            self._hold(None)
+            try:
+                self._finish(reserved, ks, False)
+            finally:
+                self._release_quietly()
+        except Exception:  # noqa: BLE001  (the caller re-raises the first error)
             pass
+
+    def _publish(self, list reserved, list ks, bint done):
+        """_finish() under a sound hold; a hold cut short by a silence of ours (the
+        fence refused a write) is taken again and the step repeated."""
+        for attempt in range(4):
+            self._hold(reserved)  # keeps our progress words moving while it waits
+            try:
+                return self._finish(reserved, ks, done)
+            except LeaseLost:
+                if attempt == 3:
+                    raise
+            finally:
+                self._release_quietly()
 
     def _tick_progress(self, list reserved):
         """Advance the progress word of each claim (outside the lock)."""
@@ -1422,6 +1466,9 @@ cdef class KVCache:
             with nogil:
                 rc = self._read(s, &e)
             self._io(rc, "store")
+            if ok and _state(&e) == KV_READY and _gen(&e) == gen and e.off == off:
+                published.append(j)  # an earlier try of this step published it
+                continue
             if _state(&e) != KV_WRITING or _gen(&e) != gen or e.off != off:
                 lost.append(j)  # taken over: our epoch is over, we publish nothing
                 self._ack(off, gen)

@@ -106,7 +106,6 @@ def _stalled_writer(spec, node, key, q):
     c = cxlrt.KVCache(r, "kv", block_bytes=BIG, capacity_blocks=2)
     src = np.full(BIG, 0xAA, np.uint8)
     cxlrt.crash.arm("kv.store.copy", "stop")  # SIGSTOP between two chunks of the copy
-    q.put(os.getpid())
     try:
         stored = c.store([key], [src])
         q.put(("stored", stored, ""))
@@ -155,7 +154,7 @@ def test_a_stalled_writer_never_corrupts_the_block_that_replaced_it(backend, cas
         keep(backend.open(1))
     p, q = _spawn(_stalled_writer, backend.spec(), 1, key)
     try:
-        pid = q.get(timeout=60)
+        pid = p.pid  # not through q: a stop could catch the queue's feeder unflushed
         _stop_mid_copy(r, c, key, pid)
         new = np.full(BIG, 0xBB, np.uint8).tobytes()
         # Another node stores the same key again: it must take the stalled claim over
@@ -344,5 +343,82 @@ def test_a_process_killed_at_a_kv_crash_point_leaves_a_working_cache(backend, po
     for k in victims:
         _assert_loads(c, k, block_for(k), "the killed process's key, stored again")
     c.recover()
+    assert _live_objects(r) == base + len(c.entries()), "a payload leaked"
+    assert all(e["state"] == "ready" for e in c.entries())
+
+
+def _act_and_stall(spec, node, point, op, keys, q):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=8)
+    cxlrt.crash.arm(point, "stop")
+    try:
+        if op == "lookup":
+            with c.lookup(keys) as hit:
+                res = ("ok", len(hit), "")
+        else:
+            res = ("ok", len(c.store(keys, [block_for(k) for k in keys])), "")
+    except Exception as e:  # a clear error is an acceptable answer to a stall
+        res = ("raised", type(e).__name__, str(e))
+    q.put(res)
+    try:
+        r.close()
+    except Exception:  # noqa: BLE001  (a LeaseLost at close says the same again)
+        pass
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_a_process_stalled_at_a_kv_crash_point_past_the_lease(backend, point, keep):
+    """SIGSTOP a process (its node's only one) at each kv.* point for longer than the
+    lease while another node stores other keys and the stalled process's own keys,
+    then resume it. It either finishes or fails with LeaseLost/ClaimLost; it never
+    writes after its lease ran out: afterwards every key loads exactly or is absent,
+    stores work, and nothing leaks."""
+    r = keep(backend.create(nodes=2, lease=LEASE))
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    assert c.store(keys, [block_for(k) for k in keys]) == keys  # full: every store evicts
+    base = _live_objects(r) - len(c.entries())
+    victims = c.block_hashes(chain(1, 2))
+    op = KILL_POINTS[point]
+    target = keys[:2] if op == "lookup" else victims  # a stalled node's pins hold blocks
+    p, q = _spawn(_act_and_stall, backend.spec(), 1, point, op, target)
+    try:
+        deadline = time.monotonic() + 60
+        while _proc_state(p.pid) != "T":
+            assert p.is_alive(), f"{point} was not reached (exit code {p.exitcode})"
+            assert time.monotonic() < deadline, f"{point} was not reached in 60 s"
+            time.sleep(0.005)
+        others = c.block_hashes(chain(2, 2))
+        _store_until(c, others, [block_for(k) for k in others], 10 * LEASE + 10)
+        # The stalled process's own keys: its claims, if it made any, are taken over
+        # once their progress words stood still for a lease.
+        _store_until(c, victims, [block_for(k) for k in victims], 10 * LEASE + 10)
+        time.sleep(LEASE)  # stalled for more than a lease in all
+        for k in others:
+            _assert_loads(c, k, block_for(k), "stored while the other process was stopped")
+        os.kill(p.pid, signal.SIGCONT)
+        res = q.get(timeout=60)
+        p.join(60)
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.join(10)
+    assert res[0] == "ok" or res[1] in ("LeaseLost", "ClaimLost"), res
+    if point in ("kv.store.copy", "kv.store.publish"):  # its claims were taken over
+        assert res[1] == "ClaimLost" and "taken over" in res[2], res
+    for k in keys + victims:
+        with c.lookup([k]) as hit:
+            if len(hit):
+                assert c.load(hit)[0].tobytes() == block_for(k), "a block changed"
+    for k in others:
+        _assert_loads(c, k, block_for(k), "after the stalled process resumed")
+    _store_until(c, victims, [block_for(k) for k in victims], 10 * LEASE + 10)
+    for k in victims:
+        _assert_loads(c, k, block_for(k), "the stalled process's key, stored again")
+    c.recover()  # the resumed process exited: what it left behind is given back
+    r._allocator.drain()  # frees node 1 queued for node 0's payloads, and the reverse
+    keep(backend.open(1))._allocator.drain()
     assert _live_objects(r) == base + len(c.entries()), "a payload leaked"
     assert all(e["state"] == "ready" for e in c.entries())

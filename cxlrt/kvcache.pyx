@@ -238,6 +238,7 @@ cdef class KVCache:
     cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
     cdef bint _progress_only             # test hook: judge every writer as if on another host
+    cdef bint _no_quarantine             # test hook: free taken payloads at once (broken)
     cdef uint64_t _lease_ns, _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
     cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
@@ -604,6 +605,15 @@ cdef class KVCache:
 
     # --- records (cache lock held) ----------------------------------------------------------
 
+    cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
+        """How many record lines to scan: the high-water mark."""
+        cdef uint64_t w[3]
+        self._io(self._counters(w), "records")
+        return min(w[2], self._nrec)
+
+    cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
+        return self._io(self._get(self._records + i * 64, c), "records")
+
     cdef int _rec_alloc(self) except -2:
         """A free record line, or -1 when every one is in use."""
         cdef kv_claim c
@@ -611,7 +621,7 @@ cdef class KVCache:
         cdef uint64_t i
         self._io(self._counters(w), "records")
         for i in range(min(w[2], self._nrec)):
-            self._io(self._get(self._records + i * 64, &c), "records")
+            self._rec_get(i, &c)
             if _zero(&c):
                 return <int>i
         if w[2] >= self._nrec:
@@ -718,12 +728,11 @@ cdef class KVCache:
         release quarantines whose writer has stopped, retry deferred frees."""
         cdef kv_claim c
         cdef kv_entry e
-        cdef uint64_t w[3]
         cdef uint64_t i
         cdef uint32_t kind
-        self._io(self._counters(w), "records")
-        for i in range(min(w[2], self._nrec)):
-            self._io(self._get(self._records + i * 64, &c), "records")
+        cdef int rc
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
             if _zero(&c):
                 continue
             kind = _kind(&c)
@@ -826,6 +835,12 @@ cdef class KVCache:
             self._seen[key] = (v, now)  # first look, or it moved: a lease from now
             return 0
         return 1 if now - <uint64_t>seen[1] >= self._lease_ns else 0
+
+    cdef uint32_t _take_kind(self, int verdict) noexcept:
+        """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
+        if verdict == 1 and not self._no_quarantine:
+            return KV_REC_TAKE
+        return KV_REC_EVICT
 
     # --- pins ------------------------------------------------------------------------------
 
@@ -1282,8 +1297,7 @@ cdef class KVCache:
             if _state(&e) != KV_WRITING:
                 return None  # present: exactly one copy wins
             verdict = self._judge(s, &e, &c)
-            if verdict == 0 or not self._bury(s, &e, KV_REC_TAKE if verdict == 1
-                                              else KV_REC_EVICT, &c, "store"):
+            if verdict == 0 or not self._bury(s, &e, self._take_kind(verdict), &c, "store"):
                 return None  # being written by a writer that may still finish
             with nogil:
                 rc = self._probe(kp, &s, &e, &free_slot)
@@ -1491,12 +1505,10 @@ cdef class KVCache:
         """We stopped writing a payload another node took from us: give it back.
         Only if a record still names it (else it was released and may be reused)."""
         cdef kv_claim c
-        cdef uint64_t w[3]
         cdef uint64_t i
         cdef uint32_t kind
-        self._io(self._counters(w), "records")
-        for i in range(min(w[2], self._nrec)):
-            self._io(self._get(self._records + i * 64, &c), "records")
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
             kind = _kind(&c)
             if (_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
                     and c.off == off and c.epoch == gen):
@@ -1606,8 +1618,7 @@ cdef class KVCache:
             if not self._payload_ok(&e):
                 self._bad_slot = s
                 self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if not self._bury(s, &e, KV_REC_TAKE if verdict == 1 else KV_REC_EVICT, &c,
-                              "evict"):
+            if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
                 return False
         else:
             if _state(&e) not in (KV_READY, KV_EVICTING):
@@ -1688,12 +1699,10 @@ cdef class KVCache:
         """Payloads on their way back to the allocator, as dicts (inspection; no lock)."""
         self._need_open()
         cdef kv_claim c
-        cdef uint64_t w[3]
         cdef uint64_t i
-        self._io(self._counters(w), "records")
         out = []
-        for i in range(min(w[2], self._nrec)):
-            self._io(self._get(self._records + i * 64, &c), "records")
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
             if _zero(&c):
                 continue
             out.append({"record": i, "kind": RECORD_NAMES.get(_kind(&c), str(_kind(&c))),
@@ -1852,6 +1861,12 @@ def _judge_by_progress_only(KVCache cache):
     """Make `cache` judge every writer as one on another host would: by its progress
     word alone, never by looking its process up (tests of the cross-host path)."""
     cache._progress_only = True
+
+
+def _break_quarantine(KVCache cache):
+    """Make `cache` free a stalled writer's payload at once: the broken protocol the
+    tests must catch (the writer, resumed, scribbles over whoever got the memory)."""
+    cache._no_quarantine = True
 
 
 def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t length,

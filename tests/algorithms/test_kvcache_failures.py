@@ -138,20 +138,24 @@ def _stop_mid_copy(r, c, key, pid):
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("case", ["node-alone", "sibling-beats"])
+@pytest.mark.parametrize("case", ["node-alone", "sibling-beats", "no-quarantine"])
 def test_a_stalled_writer_never_corrupts_the_block_that_replaced_it(backend, case, keep):
     """Scenario 7: a writer stopped mid-copy past the reclaim bound, its entry taken over
     and the key stored again by another node, then resumed. Its store must fail with a
     clear error, and every load of the key must return exactly the new bytes.
 
     node-alone: the writer is its node's only process (the node looks dead while it is
-    stopped); sibling-beats: another process keeps its node alive."""
+    stopped); sibling-beats: another process keeps its node alive; no-quarantine: the
+    negative control, the taken payload is freed at once (the broken protocol): the
+    resumed writer's bytes must then show up in the new block, and the test see it."""
     r = keep(backend.create(nodes=2, lease=LEASE, size="192M"))
     c = cxlrt.KVCache(r, "kv", block_bytes=BIG, capacity_blocks=2)
     base = _live_objects(r)
     key = c.block_hashes(chain(0, 1))[0]
     if case == "sibling-beats":
         keep(backend.open(1))
+    if case == "no-quarantine":
+        cxlrt.kvcache._break_quarantine(c)
     p, q = _spawn(_stalled_writer, backend.spec(), 1, key)
     try:
         pid = p.pid  # not through q: a stop could catch the queue's feeder unflushed
@@ -162,6 +166,12 @@ def test_a_stalled_writer_never_corrupts_the_block_that_replaced_it(backend, cas
         _store_until(c, [key], [new], 8 * LEASE + 10)
         _assert_loads(c, key, new, "before the writer resumed")
         os.kill(pid, signal.SIGCONT)
+        if case == "no-quarantine":
+            res = q.get(timeout=60)
+            p.join(60)
+            with pytest.raises(AssertionError, match="not the stored block"):
+                _assert_loads(c, key, new, "after a stale writer wrote into freed memory")
+            return
         t_end = time.monotonic() + 60
         while p.is_alive() and time.monotonic() < t_end:  # loads while it runs on
             _assert_loads(c, key, new, "while the stale writer ran on")

@@ -39,11 +39,14 @@ Quarantine
       - at once when the writer itself resumes and learns it lost the claim
         (it gives the payload back under the lock, then raises ClaimLost);
       - at once when a process sharing the writer's boot and pid namespace sees
-        the writer's process gone, or the writer's node is detached;
-      - after KV_QUARANTINE_LEASES (8) leases during which the writer's node was
+        the writer's process gone (while it sees it alive, even stopped, the
+        payload stays quarantined), or the writer's node is detached;
+      - for a writer nobody here can look up (another host): after
+        KV_QUARANTINE_LEASES (8) leases during which the writer's node was
         continuously dead or in another incarnation, timed on the releasing
         node's own monotonic clock from its first look (a crashed host must not
-        hold memory forever).
+        hold memory forever). A writer on a live node that stalls forever keeps
+        its payload until it resumes or its process is seen gone.
     The quarantine is never shorter than a lease (the takeover itself needs a
     lease of standstill). What is not covered: a whole host that stalls inside
     one chunk copy for longer than lease + 8 leases, and then resumes; it writes
@@ -237,7 +240,7 @@ cdef class KVCache:
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
-    cdef bint _progress_only             # test hook: judge every writer as if on another host
+    cdef bint _foreign                   # test hook: every writer is on a host we cannot see
     cdef bint _no_quarantine             # test hook: free taken payloads at once (broken)
     cdef uint64_t _lease_ns, _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
@@ -767,7 +770,9 @@ cdef class KVCache:
         key = (i, c.off, c.epoch)
         if node >= self._nodes:
             return True
-        if c.where == _where_hash() and not process_alive(_cpid(c), c.start):
+        if c.where == _where_hash() and not self._foreign:  # its process decides
+            if process_alive(_cpid(c), c.start):
+                return False  # alive, maybe stopped: it may resume, so it keeps the memory
             self._doomed.pop(key, None)
             return True
         with nogil:
@@ -813,7 +818,7 @@ cdef class KVCache:
         if self._claim_of(s, e, c):
             if self._is_me(c):
                 return 0  # ours: this process is alive and knows what it writes
-            if (not self._progress_only and c.where == self._id_where
+            if (not self._foreign and c.where == self._id_where
                     and not process_alive(_cpid(c), c.start)):
                 return 2
             with nogil:
@@ -1857,10 +1862,11 @@ def _break_pin_protocol(KVCache cache):
     cache._ignore_pins = True
 
 
-def _judge_by_progress_only(KVCache cache):
-    """Make `cache` judge every writer as one on another host would: by its progress
-    word alone, never by looking its process up (tests of the cross-host path)."""
-    cache._progress_only = True
+def _as_if_on_another_host(KVCache cache):
+    """Make `cache` treat every writer as one on another host: judged by its progress
+    word and its node's liveness, never by looking its process up (tests of the
+    cross-host paths)."""
+    cache._foreign = True
 
 
 def _break_quarantine(KVCache cache):

@@ -236,7 +236,7 @@ def test_a_dead_writer_on_a_live_node_is_reclaimed_by_another_node(backend, judg
     sibling = keep(backend.open(1))  # node 1 stays alive
     c = open_cache(r0, capacity_blocks=16)
     if judge == "other-host":
-        hook = getattr(cxlrt.kvcache, "_judge_by_progress_only", None)
+        hook = getattr(cxlrt.kvcache, "_as_if_on_another_host", None)
         if hook is not None:
             hook(c)
     base = _live_objects(r0)
@@ -250,8 +250,46 @@ def test_a_dead_writer_on_a_live_node_is_reclaimed_by_another_node(backend, judg
     assert took < bound, f"reclaimed after {took:.2f} s (bound {bound} s)"
     for k in keys:
         _assert_loads(c, k, block_for(k))
+    if judge == "other-host":
+        # Nobody here can see the writer's process, and its node is alive: its
+        # payloads stay quarantined until the node's last process detaches.
+        c.recover()
+        assert c.stats()["quarantined"] == 4
+        sibling.close()  # node 1 detached: its writer certainly stopped
     c.recover()  # the dead writer's payloads, quarantined or not, are free again
+    assert c.stats()["quarantined"] == 0
+    if judge == "other-host":
+        sibling = keep(backend.open(1))
     sibling._allocator.drain()  # they came from node 1's heap: it applies our frees
+    assert _live_objects(r0) == base + len(c.entries()), "the dead writer's payloads leaked"
+
+
+@pytest.mark.crash
+def test_a_dead_hosts_quarantine_is_released_after_the_documented_bound(backend, keep):
+    """A writer on a host nobody can look up dies mid-store with its whole node: its
+    claims are taken over after a lease of standstill and its payloads quarantined;
+    they go back to the allocator once its node has been dead for
+    QUARANTINE_LEASES leases on the releasing node's clock, not before."""
+    r0 = keep(backend.create(nodes=2, lease=LEASE))
+    c = open_cache(r0, capacity_blocks=16)
+    cxlrt.kvcache._as_if_on_another_host(c)
+    base = _live_objects(r0)
+    keys = c.block_hashes(chain(0, 4))
+    p, _ = _spawn(_store_and_get_killed, backend.spec(), 1, keys)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    _store_until(c, keys, [block_for(k) for k in keys], 10 * LEASE + 10)
+    assert c.stats()["quarantined"] == 4
+    bound = cxlrt.kvcache.QUARANTINE_LEASES * LEASE
+    t0 = time.monotonic()
+    while c.stats()["quarantined"]:
+        c.recover()  # the first look starts the releasing node's clock
+        waited = time.monotonic() - t0
+        assert waited < bound + 3, f"still quarantined after {waited:.2f} s (bound {bound} s)"
+        if c.stats()["quarantined"]:
+            time.sleep(0.05)
+    assert waited >= bound - 0.05, f"released after {waited:.2f} s, before the bound {bound} s"
+    keep(backend.open(1))._allocator.drain()  # node 1's payloads: it applies our frees
     assert _live_objects(r0) == base + len(c.entries()), "the dead writer's payloads leaked"
 
 

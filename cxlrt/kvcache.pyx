@@ -1,32 +1,104 @@
 # Prefix KV cache (TraCT's rack-wide prefix cache): lookups and pins without the
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
 # blocks. Layout and invariants: kvcache.pxd.
+"""The prefix KV cache, and how it survives crashes and stalls of its writers.
+
+Claims and epochs
+    store() claims a slot under the cache lock: it writes the slot's claim line
+    (kvcache.pxd ``kv_claim``: node, pid, the node's incarnation, the process's
+    start time, a hash of its boot id and pid namespace, the payload, and the
+    epoch) and then the entry, WRITING at a new generation. The generation is
+    the epoch: a takeover buries the entry (tombstone, generation + 1), so the
+    writer, which re-reads its entry every tick while it copies and once more
+    under the lock before it publishes, sees that the claim is gone and stops
+    with :class:`ClaimLost` instead of publishing.
+
+Progress and takeover
+    While it copies (outside the lock) the writer's only shared word is the
+    progress word of its own payload header (KV_PROGRESS); it advances it every
+    lease / 8 of its own monotonic clock, between chunks of KV_COPY_CHUNK bytes,
+    while it waits for the lock to publish, and before publishing. Any node that
+    holds the cache lock and meets a WRITING entry (storing the same key, or
+    evicting) judges its claim:
+      - the claim is ours: keep it;
+      - the writer shares our boot and pid namespace and its process is gone
+        (pid and start time): take it now, and free the payload;
+      - its node is detached: take it now, and free the payload;
+      - otherwise, if the progress word has not changed for a whole lease on
+        the judge's own monotonic clock since the judge first looked, take it
+        over, and quarantine the payload. Clocks of two hosts are never
+        compared. A dead writer whose node stays alive is reclaimed by any node:
+        at once where its process can be looked up, within a lease of the first
+        look elsewhere.
+
+Quarantine
+    A payload taken from a writer that may still run stays allocated, named by a
+    KV_REC_QUARANTINE record, so a resumed writer can only scribble into memory
+    no reader looks at. It goes back to the allocator when the writer is known
+    to have stopped:
+      - at once when the writer itself resumes and learns it lost the claim
+        (it gives the payload back under the lock, then raises ClaimLost);
+      - at once when a process sharing the writer's boot and pid namespace sees
+        the writer's process gone (while it sees it alive, even stopped, the
+        payload stays quarantined), or the writer's node is detached;
+      - for a writer nobody here can look up (another host): after
+        KV_QUARANTINE_LEASES (8) leases during which the writer's node was
+        continuously dead or in another incarnation, timed on the releasing
+        node's own monotonic clock from its first look (a crashed host must not
+        hold memory forever). A writer on a live node that stalls forever keeps
+        its payload until it resumes or its process is seen gone.
+    The quarantine is never shorter than a lease (the takeover itself needs a
+    lease of standstill). What is not covered: a whole host that stalls inside
+    one chunk copy for longer than lease + 8 leases, and then resumes; it writes
+    at most the rest of that chunk (KV_COPY_CHUNK bytes) before its next check.
+
+Records
+    Every payload leaves an entry through a record written before the entry's
+    tombstone (KV_REC_EVICT: free it; KV_REC_TAKE: quarantine it). The next lock
+    holder finishes a record whose entry moved on and drops one whose entry did
+    not, so a crash anywhere in an eviction or takeover neither leaks nor frees
+    twice. The record is cleared just before free() is called: a crash in that
+    window leaks one payload, it never frees one twice. A free() that fails (an
+    owner's full remote-free queue) leaves a KV_REC_DEFERRED record, retried by
+    every later store() and recover(): no exception leaves an eviction between
+    the tombstone and the free.
+
+Loads
+    A load checks the payload header (key, generation, geometry) before and
+    after the copy, so it never returns bytes that are not the stored block.
+    Lookups and loads do no fencing work of their own.
+"""
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
-from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_check_range, cxl_dma_read,
-                            cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
-                            cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64)
-from cxlrt.includes.intrin cimport cxl_backoff, cxl_pid, cxl_wall_ns
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_dma_read, cxl_dma_write,
+                            cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load, cxl_load64,
+                            cxl_persist, cxl_region, cxl_store)
+from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
+from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
 from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
-from cxlrt.lock cimport cxl_lockctx, cxl_node_dead
+from cxlrt.liveness cimport (CXL_LIVE_DEAD, CXL_LIVE_DETACHED, CXL_LIVE_NEVER,
+                             cxl_live_silent_since, cxl_node_state)
+from cxlrt.lock cimport CXLRT_E_FENCED, cxl_lockctx
 from cxlrt.region cimport Region
 
 
 import hashlib
 import os
+import time
 
-from cxlrt.errors import OutOfMemory, RegionError
+from cxlrt.errors import InvalidFreeError, OutOfMemory, RegionError
+from cxlrt.lock import LeaseLost
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
-from cxlrt.kvpins import process_alive
+from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 
-cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01"
-cdef uint64_t PMAGIC = 0x31304256_4B4C5843  # "CXLKVB01"
-cdef uint32_t VERSION = 1
+cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01" (the version word says the format)
+cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
+cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
 cdef uint64_t STATS_WORDS = 8
-
+cdef int* _armed = cxl_crash_armed_ptr()
 
 
 DIR_PREFIX = "kv/"  # directory names of KV caches
@@ -34,31 +106,75 @@ STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
 STAT_NAMES = ("lookups", "hits", "misses", "stores", "skipped", "evictions", "bytes_stored",
               "bytes_loaded")
+RECORD_NAMES = {KV_REC_EVICT: "evicting", KV_REC_TAKE: "taking over",
+                KV_REC_QUARANTINE: "quarantined", KV_REC_DEFERRED: "deferred"}
+QUARANTINE_LEASES = KV_QUARANTINE_LEASES
+COPY_CHUNK = KV_COPY_CHUNK
 
 
 class SchemeMismatchError(RegionError, ValueError):
     """A KV cache exists under this name with another hash scheme or geometry."""
 
 
-# --- entries ------------------------------------------------------------------------
+class ClaimLost(LeaseLost):
+    """store(): another node took over some of this call's blocks while this process
+    made no progress for longer than the lease (a stall); they were not stored.
 
-cdef inline uint64_t _mix(const kv_entry* e) noexcept nogil:
-    cdef const uint64_t* w = <const uint64_t*>e
+    Attributes
+    ----------
+    stored : list of bytes
+        The keys this call did store.
+    lost : list of bytes
+        The keys taken over (store them again if they are still wanted).
+    """
+
+    def __init__(self, message, stored=(), lost=()):
+        super().__init__(message)
+        self.stored = list(stored)
+        self.lost = list(lost)
+
+    def __reduce__(self):
+        return (ClaimLost, (str(self), self.stored, self.lost))
+
+
+_WHERE = [0, 0]  # [pid, hash of (boot id, pid namespace)] for this process
+
+
+def _where_hash():
+    """64-bit name of this process's boot and pid namespace: a writer whose claim
+    carries ours can be looked up by pid from here."""
+    pid = os.getpid()
+    if _WHERE[0] != pid:
+        raw = boot_id() + pid_namespace().to_bytes(8, "little")
+        _WHERE[1] = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") or 1
+        _WHERE[0] = pid
+    return _WHERE[1]
+
+
+# --- lines ----------------------------------------------------------------------------
+
+cdef inline uint64_t _mix(const void* p) noexcept nogil:
+    """Check word over the first seven words of a line."""
+    cdef const uint64_t* w = <const uint64_t*>p
     cdef uint64_t h = <uint64_t>0x9E3779B97F4A7C15ULL
     cdef int i
     for i in range(7):
         h = (h ^ w[i]) * <uint64_t>0xff51afd7ed558ccdULL
         h ^= h >> 29
-    return h | 1  # never 0: an all-zero line is the only entry with check 0
+    return h | 1  # never 0: an all-zero line is the only line with check 0
 
 
-cdef inline bint _zero(const kv_entry* e) noexcept nogil:
-    cdef const uint64_t* w = <const uint64_t*>e
+cdef inline bint _zero(const void* p) noexcept nogil:
+    cdef const uint64_t* w = <const uint64_t*>p
     cdef int i
     for i in range(8):
         if w[i] != 0:
             return False
     return True
+
+
+cdef inline bint _line_ok(const void* p) noexcept nogil:
+    return (<const uint64_t*>p)[7] == _mix(p) or _zero(p)
 
 
 cdef inline uint32_t _state(const kv_entry* e) noexcept nogil:
@@ -73,6 +189,24 @@ cdef inline bint _same_key(const kv_entry* e, const char* k) noexcept nogil:
     return memcmp(<const void*>e.key, k, 16) == 0
 
 
+cdef inline uint32_t _kind(const kv_claim* c) noexcept nogil:
+    return <uint32_t>(c.tag & 0xff)
+
+
+cdef inline uint32_t _cnode(const kv_claim* c) noexcept nogil:
+    return <uint32_t>((c.tag >> 8) & 0xffff)
+
+
+cdef inline uint64_t _cpid(const kv_claim* c) noexcept nogil:
+    return c.tag >> 24
+
+
+cdef inline bint _holds(const kv_entry* e) noexcept nogil:
+    """The entry still references its payload (not buried)."""
+    cdef uint32_t st = _state(e)
+    return st == KV_WRITING or st == KV_READY or st == KV_EVICTING
+
+
 # --- the cache ----------------------------------------------------------------------
 
 cdef class KVCache:
@@ -82,7 +216,7 @@ cdef class KVCache:
     algorithm="blake2b", salt=b"", create=True)`` creates the cache or attaches
     to it by name. Keys are :meth:`block_hashes` of token ids; a lookup returns
     the leading run of keys that are cached, pinned against eviction until the
-    :class:`Hit` is released.
+    :class:`Hit` is released. Crashes and stalls: see the module docstring.
     """
 
     cdef const cxl_region* r
@@ -97,14 +231,24 @@ cdef class KVCache:
     cdef readonly str algorithm
     cdef readonly bytes salt_digest
     cdef object _salt
-    cdef object _lock                    # the cache lock (entries, occupancy)
+    cdef object _lock                    # the cache lock (entries, claims, records, counters)
     cdef uint32_t _pin_lock              # its node-local mutex guards our pins and stats
     cdef uint64_t _entries, _pins, _stats, _mask, _heap_lo, _heap_hi, _nodes
+    cdef uint64_t _claims, _records, _nrec
     cdef uint32_t _node
     cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
+    cdef bint _foreign                   # test hook: every writer is on a host we cannot see
+    cdef bint _no_quarantine             # test hook: free taken payloads at once (broken)
+    cdef uint64_t _lease_ns, _tick_ns
+    cdef uint64_t _progress              # our writers' progress counter (any change counts)
+    cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
+    cdef int _id_pid
+    cdef uint64_t _hold_t0               # our ns when the current sound hold began, 0 none
+    cdef dict _seen                      # (slot, epoch) -> (progress, our ns when it last moved)
+    cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
 
     def __init__(self, Region region not None, str name not None, *, block_bytes=None,
                  capacity_blocks=None, block_tokens=16, algorithm="blake2b", salt=b"",
@@ -121,6 +265,7 @@ cdef class KVCache:
         raw = name.encode("utf-8", "surrogatepass")
         if not 1 <= len(raw) <= 48:
             raise ValueError(f"KV cache names are 1..48 bytes of UTF-8, got {name!r:.60}")
+        self._closed = True  # until attached: close() and __dealloc__ have nothing to do
         self.region = region
         self.r = region.backend.region()
         self.name = name
@@ -132,6 +277,10 @@ cdef class KVCache:
         self._node = region.node
         self._heap_lo, heap_len = region.heap
         self._heap_hi = self._heap_lo + heap_len
+        self._lease_ns = <uint64_t>region.lease_ms * 1000000
+        self._tick_ns = max(self._lease_ns // 8, 1000000)
+        self._seen = {}
+        self._doomed = {}
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
         self._lock = region.lock(f"kv:{tag}")
         self._pin_lock = region.lock(f"kvp:{tag}").index
@@ -142,6 +291,7 @@ cdef class KVCache:
         path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self._node}"
                                          f"-kv{self.offset:x}.pins")
         self._pt = PinTable(region, <size_t>self.L, self._pin_lock, self._pins, self.slots, path)
+        self._closed = False
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
 
     def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
@@ -151,12 +301,21 @@ cdef class KVCache:
         while self.slots < 2 * capacity:  # load factor <= 1/2 keeps probe runs short
             self.slots <<= 1
         self._mask = self.slots - 1
+        self._nrec = max(64, self.slots // 8)
 
     # --- creation and attach ------------------------------------------------------------
 
     def _total(self):
         return (KV_HEADER + self.slots * 64 + self._nodes * self.slots * 8
-                + self._nodes * STATS_WORDS * 8)
+                + self._nodes * STATS_WORDS * 8 + self.slots * 64 + self._nrec * 64)
+
+    def _sections(self, uint64_t base):
+        """(entries, pins, stats, claims, records) offsets of a cache object at `base`."""
+        entries = base + KV_HEADER
+        pins = entries + self.slots * 64
+        stats = pins + self._nodes * self.slots * 8
+        claims = stats + self._nodes * STATS_WORDS * 8
+        return entries, pins, stats, claims, claims + self.slots * 64
 
     def _geometry(self):
         cdef bytearray g = bytearray(64)
@@ -172,9 +331,8 @@ cdef class KVCache:
         return bytes(g)
 
     def _layout(self, uint64_t base, uint64_t created):
-        words = [self._nodes, base + KV_HEADER, base + KV_HEADER + self.slots * 64,
-                 base + KV_HEADER + self.slots * 64 + self._nodes * self.slots * 8,
-                 created, self._total(), 0]
+        entries, pins, stats, claims, _ = self._sections(base)
+        words = [self._nodes, entries, pins, stats, created, self._total(), claims]
         body = b"".join(w.to_bytes(8, "little") for w in words)
         return body + _fnv(self._geometry() + body).to_bytes(8, "little")
 
@@ -218,9 +376,15 @@ cdef class KVCache:
         lay = region.load(base + 64, 64)
         if int.from_bytes(geo[0:8], "little") != MAGIC:
             raise RegionError(f"{self.name!r} in the directory is not a KV cache")
-        if int.from_bytes(geo[8:12], "little") != VERSION:
-            raise RegionError(f"KV cache {self.name!r} has version "
-                              f"{int.from_bytes(geo[8:12], 'little')}; this build reads {VERSION}")
+        version = int.from_bytes(geo[8:12], "little")
+        if version != VERSION:
+            raise RegionError(
+                f"KV cache {self.name!r} has on-media format {version}; this build reads "
+                f"format {VERSION}" + (" only (format 1 has no claim lines or records, so its "
+                                       "writers cannot be fenced). Recreate the cache under "
+                                       "another name, or delete it with "
+                                       f"region.delete({DIR_PREFIX + self.name!r}) once no "
+                                       "process uses it" if version < VERSION else ""))
         if _fnv(geo + lay[:56]) != int.from_bytes(lay[56:64], "little"):
             raise RegionError(f"KV cache {self.name!r}: header checksum mismatch (corrupt)")
         return geo, lay
@@ -253,11 +417,10 @@ cdef class KVCache:
         if words[0] != self._nodes or words[5] != self._total() or \
                 base + words[5] > self._heap_hi:
             raise RegionError(f"KV cache {self.name!r}: layout does not fit this region (corrupt)")
-        self._entries, self._pins, self._stats = words[1], words[2], words[3]
-        if (self._entries, self._pins, self._stats) != (
-                base + KV_HEADER, base + KV_HEADER + self.slots * 64,
-                base + KV_HEADER + self.slots * 64 + self._nodes * self.slots * 8):
+        sec = self._sections(base)
+        if (words[1], words[2], words[3], words[6]) != sec[:4]:
             raise RegionError(f"KV cache {self.name!r}: section offsets are corrupt")
+        self._entries, self._pins, self._stats, self._claims, self._records = sec
 
     def _check_scheme(self, bytes geo):
         ours = self._geometry()
@@ -286,7 +449,7 @@ cdef class KVCache:
             + ". Attach with the same parameters or use another name (with another salt or "
               "block size, keys would never match: a silent zero hit rate)")
 
-    # --- helpers ------------------------------------------------------------------------
+    # --- entries ------------------------------------------------------------------------
 
     cdef int _read(self, uint64_t s, kv_entry* e) noexcept nogil:
         """Observe entry `s` as one consistent line (a torn copy is read again)."""
@@ -298,7 +461,7 @@ cdef class KVCache:
                 rc = cxl_load(self.r, at, e, 64)
             if rc != 0:
                 return rc
-            if e.check == _mix(e) or (e.check == 0 and _zero(e)):
+            if _line_ok(e):
                 return 0
             cxl_backoff(&spins)
         self._bad_slot = s
@@ -306,14 +469,32 @@ cdef class KVCache:
 
     cdef int _write(self, uint64_t s, kv_entry* e) noexcept nogil:
         """Replace entry `s` (cache lock held) and publish it."""
-        cdef uint64_t at = self._entries + s * 64
-        cdef int rc
         e.check = _mix(e)
+        return self._put(self._entries + s * 64, e)
+
+    cdef int _fenced(self) noexcept nogil:
+        """1 if we were silent past the lease since our hold of the cache lock began:
+        another node may hold it now, so we must not write (checked before every
+        write under the lock; lookups and loads never ask)."""
+        return self._hold_t0 != 0 and cxl_live_silent_since(self.L.live, self._hold_t0)
+
+    cdef int _put(self, uint64_t at, const void* line) noexcept nogil:
+        """Publish one whole line (cache lock held: we are its only writer)."""
+        cdef int rc
+        if self._fenced():
+            return CXLRT_E_FENCED
         rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
         if rc == 0:
-            rc = cxl_store(self.r, at, e, 64)
+            rc = cxl_store(self.r, at, line, 64)
         if rc == 0:
             rc = cxl_persist(self.r, at, 64)
+        return rc
+
+    cdef int _get(self, uint64_t at, void* line) noexcept nogil:
+        """Observe one line (drop our copy, then load)."""
+        cdef int rc = cxl_flush(self.r, at, 64)
+        if rc == 0:
+            rc = cxl_load(self.r, at, line, 64)
         return rc
 
     cdef bint _payload_ok(self, const kv_entry* e) noexcept nogil:
@@ -353,15 +534,340 @@ cdef class KVCache:
                 return 1
         return 0
 
-    def recover(self):
-        """Give back pins held by this node's dead processes; returns how many.
+    cdef int _io(self, int rc, str what) except -1:
+        if rc != 0:
+            self._raise(rc, what)
+        return 0
 
-        Runs when a process attaches, when it first pins, and when eviction finds
-        nothing to evict; a node's pins are written only by the node itself, so
-        each node heals its own.
+    # --- counters (line 2, cache lock held) -----------------------------------------------
+
+    cdef int _counters(self, uint64_t* w) noexcept nogil:
+        """occupancy, payload bytes, records high-water mark."""
+        cdef uint64_t at = self.offset + 128
+        cdef int rc = cxl_flush(self.r, at, 64)
+        if rc == 0:
+            rc = cxl_load(self.r, at, w, 24)
+        return rc
+
+    cdef int _set_counters(self, const uint64_t* w) noexcept nogil:
+        cdef uint64_t at = self.offset + 128
+        cdef int rc
+        if self._fenced():
+            return CXLRT_E_FENCED
+        rc = cxl_store(self.r, at, w, 24)
+        if rc == 0:
+            rc = cxl_persist(self.r, at, 64)
+        return rc
+
+    def _occupancy(self):
+        cdef uint64_t w[3]
+        self._io(self._counters(w), "counters")
+        return w[0]
+
+    def _add_occupancy(self, long long d, long long nbytes):
+        cdef uint64_t w[3]
+        self._io(self._counters(w), "counters")
+        w[0] = <uint64_t>max(0, <long long>w[0] + d)
+        w[1] = <uint64_t>max(0, <long long>w[1] + nbytes)
+        self._io(self._set_counters(w), "counters")
+
+    def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
+        cdef uint64_t w[3]
+        self._io(self._counters(w), "counters")
+        w[0] = occ
+        w[1] = nbytes
+        self._io(self._set_counters(w), "counters")
+
+    # --- identity -----------------------------------------------------------------------
+
+    cdef int _ident(self) except -1:
+        """This process as a claim names it (recomputed after a fork)."""
+        cdef int pid = os.getpid()
+        if self._id_pid == pid:
+            return 0
+        live = self.region.liveness
+        self._id_tag = (<uint64_t>self._node << 8) | (<uint64_t>pid << 24)
+        self._id_inc = live.incarnation if live is not None else 0
+        self._id_start = process_start(pid)
+        self._id_where = _where_hash()
+        self._id_pid = pid
+        return 0
+
+    cdef bint _is_me(self, const kv_claim* c) noexcept:
+        return ((c.tag & ~(<uint64_t>0xff)) == self._id_tag and c.start == self._id_start
+                and c.where == self._id_where)
+
+    cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff:
+        """Node `node`'s current incarnation (its area's word 2)."""
+        cdef uint64_t at = self.region.node_area(node), v = 0
+        cdef int rc = cxl_flush(self.r, at, 64)
+        if rc == 0:
+            rc = cxl_load64(self.r, at + 16, &v)
+        self._io(rc, "node area")
+        return v
+
+    # --- records (cache lock held) ----------------------------------------------------------
+
+    cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
+        """How many record lines to scan: the high-water mark."""
+        cdef uint64_t w[3]
+        self._io(self._counters(w), "records")
+        return min(w[2], self._nrec)
+
+    cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
+        return self._io(self._get(self._records + i * 64, c), "records")
+
+    cdef int _rec_alloc(self) except -2:
+        """A free record line, or -1 when every one is in use."""
+        cdef kv_claim c
+        cdef uint64_t w[3]
+        cdef uint64_t i
+        self._io(self._counters(w), "records")
+        for i in range(min(w[2], self._nrec)):
+            self._rec_get(i, &c)
+            if _zero(&c):
+                return <int>i
+        if w[2] >= self._nrec:
+            return -1
+        w[2] += 1  # published before the record: a scan may see a free line, never miss one
+        self._io(self._set_counters(w), "records")
+        return <int>(w[2] - 1)
+
+    cdef int _rec_put(self, uint64_t i, kv_claim* c) except -1:
+        c.check = _mix(c)
+        return self._io(self._put(self._records + i * 64, c), "records")
+
+    cdef int _rec_clear(self, uint64_t i) except -1:
+        """Free record i, and lower the high-water mark past free lines at the top."""
+        cdef kv_claim c
+        cdef uint64_t w[3]
+        cdef uint64_t top
+        memset(&c, 0, 64)
+        self._io(self._put(self._records + i * 64, &c), "records")
+        self._io(self._counters(w), "records")
+        top = min(w[2], self._nrec)
+        if i + 1 != top:
+            return 0
+        while top > 0:
+            self._io(self._get(self._records + (top - 1) * 64, &c), "records")
+            if not _zero(&c):
+                break
+            top -= 1
+        w[2] = top
+        return self._io(self._set_counters(w), "records")
+
+    cdef int _free_payload(self, uint64_t off) except -1:
+        """free() a payload nobody references; a failure leaves a DEFERRED record."""
+        cdef kv_claim c
+        cdef int i
+        if self._fenced():
+            self._raise(CXLRT_E_FENCED, "free")
+        try:
+            self.region.free(off)
+            return 0
+        except InvalidFreeError:
+            return 0  # not a live object (already free): nothing to give back
+        except Exception:
+            pass  # e.g. the owner's remote-free queue is full: retry later
+        i = self._rec_alloc()
+        if i < 0:
+            return 0  # no line to remember it in: this payload leaks (a full table)
+        memset(&c, 0, 64)
+        c.tag = KV_REC_DEFERRED
+        c.off = off
+        return self._rec_put(i, &c)
+
+    cdef int _give_back(self, uint64_t i, uint64_t off) except -1:
+        """Free the payload record i names. The record goes first: a crash between
+        the two leaks the payload, never frees it twice."""
+        self._rec_clear(i)
+        return self._free_payload(off)
+
+    cdef int _complete(self, uint64_t i, kv_claim* c) except -1:
+        """Finish record i once its entry no longer holds the payload."""
+        if _kind(c) == KV_REC_TAKE:
+            c.tag = (c.tag & ~(<uint64_t>0xff)) | KV_REC_QUARANTINE
+            return self._rec_put(i, c)
+        return self._give_back(i, c.off)
+
+    cdef int _bury(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
+                   str what) except -1:
+        """Take entry s's payload out of the index (cache lock held): a record, the
+        tombstone (generation + 1: the claim's epoch is over), then the payload is
+        freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). Returns 0 when no record
+        line is free (nothing changed), 1 when buried."""
+        cdef kv_claim c
+        cdef int i = self._rec_alloc(), rc
+        if i < 0:
+            return 0
+        if who != NULL:
+            memcpy(&c, who, 64)
+        else:
+            memset(&c, 0, 64)
+        c.tag = (c.tag & ~(<uint64_t>0xff)) | kind
+        c.off = e.off
+        c.epoch = _gen(e)
+        c.slot = s
+        self._rec_put(i, &c)
+        if unlikely(_armed[0]):
+            cxl_crash_hit(b"kv.evict.intent")
+        memset(<void*>e.key, 0, 16)
+        e.meta = ((_gen(e) + 1) << 8) | KV_TOMBSTONE
+        e.off = e.len = e.owner = 0
+        with nogil:
+            rc = self._write(s, e)
+        self._io(rc, what)
+        if unlikely(_armed[0]):
+            cxl_crash_hit(b"kv.evict.tombstone")
+        # From the tombstone on, nothing raises but a backend failure: the record
+        # finishes the job for the next lock holder if we die here.
+        self._complete(i, &c)
+        self._add_occupancy(-1, -<long long>self.block_bytes)
+        return 1
+
+    cdef int _settle(self) except -1:
+        """Finish what the records describe (cache lock held): drop an eviction or
+        takeover whose tombstone never came, finish one whose entry moved on,
+        release quarantines whose writer has stopped, retry deferred frees."""
+        cdef kv_claim c
+        cdef kv_entry e
+        cdef uint64_t i
+        cdef uint32_t kind
+        cdef int rc
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
+            if _zero(&c):
+                continue
+            kind = _kind(&c)
+            if not _line_ok(&c) or kind < KV_REC_EVICT or kind > KV_REC_DEFERRED:
+                self._rec_clear(i)  # torn by a crash mid-write: forget it (may leak one)
+                continue
+            if kind == KV_REC_EVICT or kind == KV_REC_TAKE:
+                if c.slot >= self.slots:
+                    self._rec_clear(i)
+                    continue
+                with nogil:
+                    rc = self._read(c.slot, &e)
+                self._io(rc, "records")
+                if _gen(&e) == c.epoch and e.off == c.off and _holds(&e):
+                    self._rec_clear(i)  # the tombstone never came: the entry still holds it
+                else:
+                    self._complete(i, &c)
+                    self._add_occupancy(-1, -<long long>self.block_bytes)
+            elif kind == KV_REC_QUARANTINE:
+                if self._released(i, &c):
+                    self._give_back(i, c.off)
+            else:
+                self._give_back(i, c.off)
+        return 0
+
+    cdef bint _released(self, uint64_t i, const kv_claim* c) except -1:
+        """Whether a quarantined payload's writer is known to have stopped (module
+        docstring, "Quarantine")."""
+        cdef uint32_t node = _cnode(c)
+        cdef int st
+        cdef uint64_t now
+        key = (i, c.off, c.epoch)
+        if node >= self._nodes:
+            return True
+        if c.where == _where_hash() and not self._foreign:  # its process decides
+            if process_alive(_cpid(c), c.start):
+                return False  # alive, maybe stopped: it may resume, so it keeps the memory
+            self._doomed.pop(key, None)
+            return True
+        with nogil:
+            st = cxl_node_state(self.L.live, node)
+        if st == CXL_LIVE_DETACHED or st == CXL_LIVE_NEVER:
+            self._doomed.pop(key, None)
+            return True
+        if st == CXL_LIVE_DEAD or self._node_inc(node) != c.inc:
+            now = cxl_now_ns()
+            if len(self._doomed) > 4 * self._nrec:
+                self._doomed.clear()
+            since = self._doomed.setdefault(key, now)
+            if now - <uint64_t>since >= KV_QUARANTINE_LEASES * self._lease_ns:
+                self._doomed.pop(key, None)
+                return True
+            return False
+        self._doomed.pop(key, None)
+        return False
+
+    # --- judging a writer ------------------------------------------------------------------
+
+    cdef int _claim_of(self, uint64_t s, const kv_entry* e, kv_claim* c) except -1:
+        """Entry s's claim line if it is the claim of this entry (1); else (0) a claim
+        made up from the entry's owner word, whose identity nobody can check."""
+        self._io(self._get(self._claims + s * 64, c), "claims")
+        if (_line_ok(c) and _kind(c) == KV_REC_CLAIM and c.epoch == _gen(e)
+                and c.off == e.off and c.slot == s):
+            return 1
+        memset(c, 0, 64)
+        c.tag = (KV_REC_CLAIM | ((e.owner & 0xffff) << 8)
+                 | (((e.owner >> 16) & 0xffffffff) << 24))
+        c.off = e.off
+        c.epoch = _gen(e)
+        c.slot = s
+        return 0
+
+    cdef int _judge(self, uint64_t s, kv_entry* e, kv_claim* c) except -1:
+        """Decide a WRITING entry's claim (cache lock held): 0 keep it, 1 take it over
+        and quarantine its payload, 2 take it over and free its payload (its writer
+        certainly stopped). `c` receives the claim."""
+        cdef uint64_t v = 0, now
+        cdef int st, rc
+        if self._claim_of(s, e, c):
+            if self._is_me(c):
+                return 0  # ours: this process is alive and knows what it writes
+            if (not self._foreign and c.where == self._id_where
+                    and not process_alive(_cpid(c), c.start)):
+                return 2
+            with nogil:
+                st = cxl_node_state(self.L.live, _cnode(c))
+            if st == CXL_LIVE_DETACHED:
+                return 2
+        if not self._payload_ok(e):
+            self._bad_slot = s
+            self._raise(CXLRT_E_KVCORRUPT, "store")
+        with nogil:
+            rc = cxl_dma_read(self.r, e.off + KV_PROGRESS, &v, 8)
+        self._io(rc, "store")
+        now = cxl_now_ns()
+        key = (s, _gen(e))
+        seen = self._seen.get(key)
+        if seen is None or seen[0] != v:
+            if len(self._seen) > 2 * self.slots + 64:
+                self._seen.clear()
+            self._seen[key] = (v, now)  # first look, or it moved: a lease from now
+            return 0
+        return 1 if now - <uint64_t>seen[1] >= self._lease_ns else 0
+
+    cdef uint32_t _take_kind(self, int verdict) noexcept:
+        """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
+        if verdict == 1 and not self._no_quarantine:
+            return KV_REC_TAKE
+        return KV_REC_EVICT
+
+    # --- pins ------------------------------------------------------------------------------
+
+    def recover(self):
+        """Give back what dead or stalled owners left; returns the pins given back.
+
+        Gives back pins held by this node's dead processes (a node's pins are
+        written only by the node itself, so each node heals its own; this also
+        runs at attach, at a process's first pin, and when eviction finds nothing
+        to evict), then, under the cache lock, finishes interrupted evictions,
+        releases quarantined payloads whose writer has stopped, and retries
+        frees that failed (store() does the same).
         """
         self._need_open()
-        return self._pt.recover()
+        n = self._pt.recover()
+        self._ident()
+        self._hold(None)
+        try:
+            self._settle()
+        finally:
+            self._release_quietly()
+        return n
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..STATS_WORDS) to our node's stats line (pin mutex held)."""
@@ -388,6 +894,11 @@ cdef class KVCache:
         return rc
 
     cdef int _raise(self, int rc, str what) except -1:
+        if rc == CXLRT_E_FENCED:
+            raise LeaseLost(
+                f"KV cache {self.name!r}: {what}: this process was silent for longer than the "
+                f"{self.region.lease_ms / 1000:g} s lease while it held the cache lock; another "
+                "node may hold it now, so nothing more was written")
         if rc == CXLRT_E_KVCORRUPT:
             raise RegionError(
                 f"KV cache {self.name!r}: {what}: slot {self._bad_slot} holds an entry or "
@@ -482,6 +993,8 @@ cdef class KVCache:
         self._pt.leave()
         if rc != 0:
             return rc
+        if m and unlikely(_armed[0]):
+            cxl_crash_hit(b"kv.pin")
         # Re-read after the fence: an evictor that missed our pin has marked the
         # entry (EVICTING or a new generation) before reading pins, so we see it.
         keep = m
@@ -531,6 +1044,8 @@ cdef class KVCache:
         buffers of at least block_bytes each; None allocates a numpy uint8 array
         of shape (n, block_bytes). A CUDA tensor is filled by asynchronous copies
         from host-registered memory (the call waits for them before returning).
+        The payload header is checked before and after each copy, so a block
+        that is not the stored one raises instead of being returned.
         """
         self._need_open()
         if hit.cache is not self:
@@ -624,9 +1139,17 @@ cdef class KVCache:
 
         `blocks` is a sequence of len(keys) buffers of block_bytes each, or one
         contiguous buffer of len(keys) * block_bytes. Keys already present or
-        being written by another node are skipped (exactly one copy wins). When
-        slots or heap run out, least-recently-used unpinned blocks are evicted;
-        keys that still find no room are left out of the result, not an error.
+        being written by another live writer are skipped (exactly one copy wins).
+        When slots or heap run out, least-recently-used unpinned blocks are
+        evicted; keys that still find no room are left out of the result, not an
+        error.
+
+        Raises
+        ------
+        ClaimLost
+            This process stalled for longer than the lease mid-store and another
+            node took some of its blocks over: those were not stored (the error
+            lists them, and the keys that were).
         """
         self._need_open()
         cdef list ks = _keys(keys)
@@ -636,31 +1159,36 @@ cdef class KVCache:
         cdef list reserved = []          # (slot, gen, off, index)
         cdef uint64_t st[8]
         memset(st, 0, sizeof(st))
-        with self._lock:
-            try:
-                for j in range(n):
-                    got = self._reserve(ks[j])
-                    if got is None:
-                        st[4] += 1
-                        continue
-                    if got is False:
-                        break  # no room even after eviction: store what we have
-                    reserved.append(got + (j,))
-            except BaseException:
-                self._finish(reserved, ks, False)  # nothing half-reserved stays behind
-                raise
-        done = False
-        published = []
+        self._ident()
+        self._hold(None)
         try:
-            self.region._busy += 1  # Region.close() refuses while we copy without the GIL
-            try:
-                self._copy(reserved, ks, srcs)
-            finally:
-                self.region._busy -= 1
+            self._settle()
+            for j in range(n):
+                got = self._reserve(ks[j])
+                if got is None:
+                    st[4] += 1
+                    continue
+                if got is False:
+                    break  # no room even after eviction: store what we have
+                reserved.append(got + (j,))
+        except BaseException:
+            self._release_quietly()
+            self._abandon(reserved, ks)  # nothing half-reserved stays behind
+            raise
+        self._release_quietly()  # every write above was fenced: a late LeaseLost is moot
+        done = False
+        published = lost = ()
+        try:
+            if reserved:
+                self.region._busy += 1  # Region.close() refuses while we copy without the GIL
+                try:
+                    self._copy(reserved, ks, srcs)
+                finally:
+                    self.region._busy -= 1
             done = True
         finally:
-            with self._lock:
-                published = self._finish(reserved, ks, done)
+            if reserved:
+                published, lost = self._publish(reserved, ks, done)
         st[3] = len(published)
         st[6] = len(published) * bb
         cdef int rc
@@ -668,26 +1196,114 @@ cdef class KVCache:
             rc = self._stats_locked(st)
         if rc != 0:
             self._raise(rc, "store")
-        return [ks[j] for j in published]
+        stored = [ks[j] for j in published]
+        if lost:
+            raise ClaimLost(
+                f"KV cache {self.name!r}: store: {len(lost)} of {len(reserved)} blocks were "
+                f"taken over by another node while this process made no progress for longer "
+                f"than the {self.region.lease_ms / 1000:g} s lease (stopped or stalled?); they "
+                f"were not stored and their payloads went back to the allocator. "
+                f"{len(stored)} blocks were stored.", stored, [ks[j] for j in lost])
+        return stored
 
-    def _reserve(self, bytes key):
+    def _hold(self, list reserved):
+        """Take the cache lock, and make sure the hold is sound before we write.
+
+        A hold whose acquire began before a silence of ours longer than the lease
+        may overlap another node's (LeaseLost from check()): let go and take it
+        again. While we wait with claims of ours (`reserved`), their progress
+        words keep moving, so nobody takes them over for waiting.
+        """
+        cdef uint64_t t0
+        tick_s = self._tick_ns / 1e9
+        for _ in range(64):
+            t0 = cxl_now_ns()
+            if reserved:
+                while not self._lock.acquire(timeout=tick_s):
+                    self._tick_progress(reserved)
+            else:
+                self._lock.acquire()
+            try:
+                self._lock.check()
+            except LeaseLost:
+                self._lock_release()
+                time.sleep(tick_s)  # our heartbeat thread resumes beating meanwhile
+                continue
+            self._hold_t0 = t0  # from here every write first asks _fenced()
+            return
+        raise LeaseLost(f"KV cache {self.name!r}: this process keeps being silent for longer "
+                        "than the lease; it cannot hold the cache lock soundly")
+
+    def _lock_release(self):
+        try:
+            self._lock.release()
+        except LeaseLost:
+            pass  # a silence the fence already answered: nothing was written during it
+
+    def _release_quietly(self):
+        """Let the cache lock go (if this thread holds it)."""
+        if self._hold_t0 == 0:
+            return
+        self._hold_t0 = 0
+        self._lock_release()
+
+    def _abandon(self, list reserved, list ks):
+        """Give back the claims of a store that failed before its copy (best effort:
+        what we cannot give back is taken over by the next store and freed once this
+        process is gone)."""
+        if not reserved:
+            return
+        try:
+            self._hold(None)
+            try:
+                self._finish(reserved, ks, False)
+            finally:
+                self._release_quietly()
+        except Exception:  # noqa: BLE001  (the caller re-raises the first error)
+            pass
+
+    def _publish(self, list reserved, list ks, bint done):
+        """_finish() under a sound hold; a hold cut short by a silence of ours (the
+        fence refused a write) is taken again and the step repeated."""
+        for attempt in range(4):
+            self._hold(reserved)  # keeps our progress words moving while it waits
+            try:
+                return self._finish(reserved, ks, done)
+            except LeaseLost:
+                if attempt == 3:
+                    raise
+            finally:
+                self._release_quietly()
+
+    def _tick_progress(self, list reserved):
+        """Advance the progress word of each claim (outside the lock)."""
+        self._progress += 1
+        v = int(self._progress).to_bytes(8, "little")
+        for s, gen, off, j in reserved:
+            self.region.dma_write(off + KV_PROGRESS, v)
+
+    cdef object _reserve(self, bytes key):
         """Claim a slot and a payload for `key` (cache lock held).
 
         (slot, gen, off) claimed; None when the key is present or being written;
         False when there is no room even after evicting.
         """
         cdef kv_entry e
-        cdef uint64_t s = 0, free_slot = 0, off = 0
-        cdef int rc
+        cdef kv_claim c, old
+        cdef uint64_t s = 0, free_slot = 0, off = 0, gen
+        cdef int rc, verdict
+        cdef bint orphan
         cdef const char* kp = PyBytes_AS_STRING(key)
         with nogil:
             rc = self._probe(kp, &s, &e, &free_slot)
         if rc < 0:
             self._raise(rc, "store")
         if rc == 1:
-            if _state(&e) != KV_WRITING or not self._writer_dead(e.owner, e.stamp_ns):
-                return None  # present, or being written: exactly one copy wins
-            self._evict_one(s, True)  # its writer died: the key is free to store again
+            if _state(&e) != KV_WRITING:
+                return None  # present: exactly one copy wins
+            verdict = self._judge(s, &e, &c)
+            if verdict == 0 or not self._bury(s, &e, self._take_kind(verdict), &c, "store"):
+                return None  # being written by a writer that may still finish
             with nogil:
                 rc = self._probe(kp, &s, &e, &free_slot)
             if rc != 0:
@@ -725,77 +1341,190 @@ cdef class KVCache:
         s = free_slot
         with nogil:
             rc = self._read(s, &e)
+            if rc == 0:
+                rc = self._get(self._claims + s * 64, &old)
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
-        cdef uint64_t gen = _gen(&e) + 1
+        gen = _gen(&e) + 1
+        # A claim line for this very epoch over a free entry: a reserve died between
+        # its claim line and its entry, and nobody else knows that payload.
+        orphan = (_line_ok(&old) and _kind(&old) == KV_REC_CLAIM and old.epoch == gen
+                  and old.slot == s and old.off != 0 and old.off != off)
+        # The claim first, on its own line: who writes this slot's payload, in which
+        # life of its node, at which epoch.
+        memset(&c, 0, 64)
+        c.tag = self._id_tag | KV_REC_CLAIM
+        c.off = off
+        c.epoch = gen
+        c.slot = s
+        c.inc = self._id_inc
+        c.start = self._id_start
+        c.where = self._id_where
+        c.check = _mix(&c)
         memcpy(<void*>e.key, kp, 16)
         e.meta = (gen << 8) | KV_WRITING
         e.off = off
         e.len = KV_PAYLOAD_HDR + self.block_bytes
-        e.owner = self._node | (<uint64_t>os.getpid() << 16)
+        e.owner = self._node | (<uint64_t>self._id_pid << 16)
         e.stamp_ns = cxl_wall_ns()
         with nogil:
-            rc = self._write(s, &e)
+            rc = self._put(self._claims + s * 64, &c)
+            if rc == 0:
+                rc = self._write(s, &e)
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
+        if unlikely(_armed[0]):
+            cxl_crash_hit(b"kv.store.writing")
         self._add_occupancy(1, <long long>self.block_bytes)
+        if orphan:  # our claim line replaced it first: a crash now leaks it, never frees twice
+            self._free_payload(old.off)
         return (s, gen, off)
 
     def _copy(self, list reserved, list ks, list srcs):
-        """DMA each reserved payload (no lock held): header, then the block."""
-        cdef uint64_t h[8]
+        """DMA each reserved payload (no lock held): the headers, then the blocks in
+        chunks, advancing the progress words and re-reading our entries every tick;
+        a block whose claim was taken over is not written further."""
+        cdef uint64_t n = len(reserved), i
+        cdef kv_job* jobs = <kv_job*>malloc(max(n, 1) * sizeof(kv_job))
         cdef const unsigned char[::1] src
-        cdef uint64_t off, bb = self.block_bytes
         cdef int rc
-        for s, gen, off, j in reserved:
-            src = srcs[j]
+        if jobs == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                s, gen, off, j = reserved[i]
+                src = srcs[j]
+                jobs[i].slot = s
+                jobs[i].gen = gen
+                jobs[i].off = off
+                jobs[i].src = &src[0]  # srcs keeps the buffer alive
+                jobs[i].key = PyBytes_AS_STRING(ks[j])
+                jobs[i].lost = 0
+            with nogil:
+                rc = self._copy_jobs(jobs, n)
+        finally:
+            free(jobs)
+        if rc != 0:
+            self._raise(rc, "store")
+
+    cdef int _copy_jobs(self, kv_job* jobs, uint64_t n) noexcept nogil:
+        cdef uint64_t h[8]
+        cdef uint64_t i, pos, step, bb = self.block_bytes, last, chunk
+        cdef uint64_t prog = self._progress + 1
+        cdef int rc = 0
+        # Two chunks at least, so a block always has a "half copied" point.
+        chunk = min(<uint64_t>KV_COPY_CHUNK, max(<uint64_t>64, ((bb + 1) // 2 + 63) & ~63ULL))
+        for i in range(n):
             memset(h, 0, sizeof(h))
             h[0] = PMAGIC
-            memcpy(&h[1], PyBytes_AS_STRING(ks[j]), 16)
-            h[3] = gen
+            memcpy(&h[1], jobs[i].key, 16)
+            h[3] = jobs[i].gen
             h[4] = bb
             h[5] = self.offset
-            with nogil:
-                rc = cxl_dma_write(self.r, off, h, 64)
-                if rc == 0:
-                    rc = cxl_dma_write(self.r, off + KV_PAYLOAD_HDR, &src[0], bb)
+            h[6] = prog
+            h[7] = self._node | (<uint64_t>self._id_pid << 16)
+            rc = cxl_dma_write(self.r, jobs[i].off, h, 64)
             if rc != 0:
-                self._raise(rc, "store")
+                return rc
+        last = cxl_now_ns()
+        for i in range(n):
+            pos = 0
+            while pos < bb:
+                if cxl_now_ns() - last >= self._tick_ns:
+                    prog += 1
+                    rc = self._tick(jobs, n, prog)
+                    if rc != 0:
+                        return rc
+                    last = cxl_now_ns()
+                if jobs[i].lost:
+                    break
+                step = min(chunk, bb - pos)
+                if pos and unlikely(_armed[0]):
+                    cxl_crash_hit(b"kv.store.copy")
+                rc = cxl_dma_write(self.r, jobs[i].off + KV_PAYLOAD_HDR + pos,
+                                   jobs[i].src + pos, step)
+                if rc != 0:
+                    return rc
+                pos += step
+        self._progress = prog + 1
+        return self._tick(jobs, n, prog + 1)  # the last word before we publish
+
+    cdef int _tick(self, kv_job* jobs, uint64_t n, uint64_t prog) noexcept nogil:
+        """Re-read each claim's entry (lock-free); advance the progress word of the
+        claims that are still ours, mark the others lost."""
+        cdef kv_entry e
+        cdef uint64_t i
+        cdef int rc
+        for i in range(n):
+            if jobs[i].lost:
+                continue
+            rc = self._read(jobs[i].slot, &e)
+            if rc != 0:
+                return rc
+            if _state(&e) != KV_WRITING or _gen(&e) != jobs[i].gen or e.off != jobs[i].off:
+                jobs[i].lost = 1
+                continue
+            rc = cxl_dma_write(self.r, jobs[i].off + KV_PROGRESS, &prog, 8)
+            if rc != 0:
+                return rc
+        return 0
 
     def _finish(self, list reserved, list ks, bint ok):
         """Publish the reserved entries ready, or give them back (cache lock held).
 
-        Returns the indexes (into `ks`) of the entries published.
+        Returns (indexes into `ks` published, indexes taken over by another node).
         """
         cdef kv_entry e
-        cdef uint64_t s, gen
+        cdef uint64_t s, gen, off
         cdef int rc
         published = []
+        lost = []
         for s, gen, off, j in reserved:
             with nogil:
                 rc = self._read(s, &e)
-            if rc != 0:
-                self._raise(rc, "store")
-            if _state(&e) != KV_WRITING or _gen(&e) != gen:
-                continue  # reclaimed meanwhile (we were presumed dead): not ours now
-            if not ok:
-                self._bury(s, &e, "store")
+            self._io(rc, "store")
+            if ok and _state(&e) == KV_READY and _gen(&e) == gen and e.off == off:
+                published.append(j)  # an earlier try of this step published it
                 continue
+            if _state(&e) != KV_WRITING or _gen(&e) != gen or e.off != off:
+                lost.append(j)  # taken over: our epoch is over, we publish nothing
+                self._ack(off, gen)
+                continue
+            if not ok:
+                if not self._bury(s, &e, KV_REC_EVICT, NULL, "store"):
+                    self._bury_unrecorded(s, &e)
+                continue
+            if unlikely(_armed[0]):
+                cxl_crash_hit(b"kv.store.publish")
             e.meta = (gen << 8) | KV_READY
             e.stamp_ns = cxl_wall_ns()
             with nogil:
                 rc = self._write(s, &e)
-            if rc != 0:
-                self._raise(rc, "store")
+            self._io(rc, "store")
             published.append(j)
-        return published
+        return published, lost
 
-    cdef _bury(self, uint64_t s, kv_entry* e, str what):
-        """Turn entry `s` (held in `e`) into a tombstone of the next generation and
-        free its payload (cache lock held): the slot's old (slot, generation) pair
-        is dead for every reader from here on."""
+    cdef int _ack(self, uint64_t off, uint64_t gen) except -1:
+        """We stopped writing a payload another node took from us: give it back.
+        Only if a record still names it (else it was released and may be reused)."""
+        cdef kv_claim c
+        cdef uint64_t i
+        cdef uint32_t kind
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
+            kind = _kind(&c)
+            if (_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
+                    and c.off == off and c.epoch == gen):
+                if kind == KV_REC_TAKE:
+                    self._add_occupancy(-1, -<long long>self.block_bytes)
+                return self._give_back(i, off)
+        return 0
+
+    cdef int _bury_unrecorded(self, uint64_t s, kv_entry* e) except -1:
+        """Our own claim, when no record line is free: tombstone, then free (a crash
+        between the two leaks this payload)."""
         cdef uint64_t off = e.off
         cdef int rc
         memset(<void*>e.key, 0, 16)
@@ -803,30 +1532,12 @@ cdef class KVCache:
         e.off = e.len = e.owner = 0
         with nogil:
             rc = self._write(s, e)
-        if rc != 0:
-            self._raise(rc, what)
-        self.region.free(off)
+        self._io(rc, "store")
+        self._free_payload(off)
         self._add_occupancy(-1, -<long long>self.block_bytes)
+        return 0
 
     # --- occupancy and eviction ----------------------------------------------------------
-
-    def _occupancy(self):
-        self.region.flush(self.offset + 128, 64)
-        return self.region.load64(self.offset + 128)
-
-    def _add_occupancy(self, long long d, long long nbytes):
-        at = self.offset + 128
-        self.region.flush(at, 64)
-        occ = self.region.load64(at)
-        pb = self.region.load64(at + 8)
-        self._set_occupancy(max(0, occ + d), max(0, pb + nbytes))
-
-    def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
-        at = self.offset + 128
-        self.region.flush(at, 64)
-        self.region.store64(at, occ)
-        self.region.store64(at + 8, nbytes)
-        self.region.persist(at, 64)
 
     cdef int _pinned(self, uint64_t s, uint64_t* recency_ms) noexcept nogil:
         """1 if any node pins slot s, else 0; recency_ms gets the latest use."""
@@ -848,11 +1559,13 @@ cdef class KVCache:
     def _evict(self, uint64_t want):
         """Evict up to `want` least-recently-used unpinned blocks (cache lock held).
 
-        Also reclaims entries whose writer died mid-store. Returns the number freed.
+        Also takes over entries whose writer died or stalled mid-store. Returns the
+        number of entries freed.
         """
         cdef kv_entry e
-        cdef uint64_t s, rec, owner_node
-        cdef int rc
+        cdef kv_claim c
+        cdef uint64_t s, rec
+        cdef int rc, verdict
         cdef list cands = []
         used = 0
         for s in range(self.slots):
@@ -864,54 +1577,38 @@ cdef class KVCache:
             if st in (KV_WRITING, KV_READY, KV_EVICTING):
                 used += 1
             if st == KV_WRITING:
-                if self._writer_dead(e.owner, e.stamp_ns):
-                    cands.append((-1, s))
+                verdict = self._judge(s, &e, &c)
+                if verdict:
+                    cands.append((-1, s, verdict))
                 continue
             if st != KV_READY and st != KV_EVICTING:
                 continue
-            rec = e.stamp_ns // 1000000
+            rec = e.stamp_ns // 1000000  # an LRU hint: clocks of hosts may disagree
             with nogil:
                 rc = self._pinned(s, &rec)
             if rc < 0:
                 self._raise(rc, "evict")
             if rc == 0 or self._ignore_pins:
-                cands.append((rec, s))
+                cands.append((rec, s, 0))
         # The scan saw every entry under the lock: the exact count, whatever a crash
         # between an entry write and a counter update left behind.
         self._set_occupancy(used, used * self.block_bytes)
         cands.sort()
         freed = 0
-        for prio, slot in cands:
+        for prio, slot, verdict in cands:
             if freed >= want:
                 break
-            if self._evict_one(slot, prio == -1):
+            if self._evict_one(slot, verdict):
                 freed += 1
         if freed:
             self._sweep_tombstones()
-        elif self.recover():
+        elif self._pt.recover():
             return self._evict(want)  # our node's dead processes held the pins
         return freed
 
-    def _writer_dead(self, uint64_t owner, uint64_t stamp_ns):
-        """Whether the writer of a `writing` entry is gone for good.
-
-        On our node the kernel knows. Another node is judged by its heartbeat,
-        as the locks judge it, but only once the entry is four leases old: a
-        writer wrongly presumed dead would go on copying into a payload we had
-        handed to someone else.
-        """
-        cdef uint64_t node = owner & 0xffff, pid = owner >> 16
-        if node >= self._nodes:
-            return True
-        if node != self._node:
-            old = cxl_wall_ns() > stamp_ns + 4 * self.region.lease_ms * 1000000
-            return old and bool(cxl_node_dead(self.L, <uint32_t>node))
-        if pid == <uint64_t>os.getpid():
-            return False
-        return not process_alive(pid, 0)
-
-    def _evict_one(self, uint64_t s, bint writing):
+    def _evict_one(self, uint64_t s, int verdict):
         cdef kv_entry e
+        cdef kv_claim c
         cdef uint64_t rec = 0, gen
         cdef int rc
         with nogil:
@@ -919,7 +1616,16 @@ cdef class KVCache:
         if rc != 0:
             self._raise(rc, "evict")
         gen = _gen(&e)
-        if not writing:
+        if verdict:  # a writer judged gone a moment ago, under this same hold
+            if _state(&e) != KV_WRITING:
+                return False
+            self._claim_of(s, &e, &c)
+            if not self._payload_ok(&e):
+                self._bad_slot = s
+                self._raise(CXLRT_E_KVCORRUPT, "evict")
+            if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
+                return False
+        else:
             if _state(&e) not in (KV_READY, KV_EVICTING):
                 return False
             e.meta = (gen << 8) | KV_EVICTING
@@ -936,10 +1642,11 @@ cdef class KVCache:
                 if rc != 0:
                     self._raise(rc, "evict")
                 return False
-        if not self._payload_ok(&e):
-            self._bad_slot = s
-            self._raise(CXLRT_E_KVCORRUPT, "evict")
-        self._bury(s, &e, "evict")
+            if not self._payload_ok(&e):
+                self._bad_slot = s
+                self._raise(CXLRT_E_KVCORRUPT, "evict")
+            if not self._bury(s, &e, KV_REC_EVICT, NULL, "evict"):
+                return False  # no record line free: it stays (EVICTING reads as a miss)
         cdef uint64_t st[8]
         memset(st, 0, sizeof(st))
         st[5] = 1
@@ -971,7 +1678,8 @@ cdef class KVCache:
     # --- figures ---------------------------------------------------------------------------
 
     def stats(self):
-        """Counters summed over nodes, plus occupancy (blocks) and capacity."""
+        """Counters summed over nodes, plus occupancy (blocks), capacity, and the
+        payloads on their way back to the allocator (quarantined, deferred)."""
         self._need_open()
         tot = dict.fromkeys(STAT_NAMES, 0)
         r = self.region
@@ -987,7 +1695,25 @@ cdef class KVCache:
         tot["capacity"] = self.capacity
         tot["block_bytes"] = self.block_bytes
         tot["slots"] = self.slots
+        kinds = [rec["kind"] for rec in self.records()]
+        tot["quarantined"] = kinds.count("quarantined")
+        tot["deferred"] = kinds.count("deferred")
         return tot
+
+    def records(self):
+        """Payloads on their way back to the allocator, as dicts (inspection; no lock)."""
+        self._need_open()
+        cdef kv_claim c
+        cdef uint64_t i
+        out = []
+        for i in range(self._rec_top()):
+            self._rec_get(i, &c)
+            if _zero(&c):
+                continue
+            out.append({"record": i, "kind": RECORD_NAMES.get(_kind(&c), str(_kind(&c))),
+                        "offset": c.off, "slot": c.slot, "epoch": c.epoch,
+                        "node": _cnode(&c), "pid": _cpid(&c), "valid": _line_ok(&c)})
+        return out
 
     def entries(self):
         """Every occupied slot as a dict (inspection and `cxlrt check`; no lock taken)."""
@@ -1016,7 +1742,17 @@ cdef class KVCache:
         return self._entries + s * 64
 
     def close(self):
+        """Detach: give this process's pins and pin-table record back. Idempotent.
+
+        Hits still open are forgotten (their pins are given back here). After the
+        region was closed first, the record is given back by this process's next
+        attach, or by its node once the process exits.
+        """
+        if self._closed:
+            return
         self._closed = True
+        if self._pt is not None:
+            self._pt.close()
 
     def __enter__(self):
         return self
@@ -1033,7 +1769,8 @@ cdef class Hit:
     """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``.
 
     Made by :meth:`KVCache.lookup`. The pins belong to the process that looked up:
-    in a forked child, ``release()`` only forgets them.
+    in a forked child, ``release()`` only forgets them; after the cache is closed
+    it only forgets them too (close() gave them back).
     """
 
     cdef readonly KVCache cache
@@ -1067,7 +1804,8 @@ cdef class Hit:
 
     cdef bint _mine(self):
         return (not self.released and self.cache is not None and self.n > 0
-                and self.owner_pid == cxl_pid() and not self.cache.r.closed)
+                and self.owner_pid == cxl_pid() and not self.cache._closed
+                and not self.cache.r.closed)
 
     def release(self):
         """Unpin the blocks (idempotent)."""
@@ -1124,6 +1862,19 @@ def _break_pin_protocol(KVCache cache):
     cache._ignore_pins = True
 
 
+def _as_if_on_another_host(KVCache cache):
+    """Make `cache` treat every writer as one on another host: judged by its progress
+    word and its node's liveness, never by looking its process up (tests of the
+    cross-host paths)."""
+    cache._foreign = True
+
+
+def _break_quarantine(KVCache cache):
+    """Make `cache` free a stalled writer's payload at once: the broken protocol the
+    tests must catch (the writer, resumed, scribbles over whoever got the memory)."""
+    cache._no_quarantine = True
+
+
 def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t length,
                 uint64_t owner=0, uint64_t stamp_ns=0):
     """The 64 bytes of an entry with a valid check word (tests forge corrupt entries)."""
@@ -1163,6 +1914,8 @@ def describe(region, uint64_t dir_off):
             lay = struct.unpack_from("<8Q", head, 64)
             if w[0] != MAGIC or _fnv(head[:120]) != lay[7]:
                 raise RegionError("not a KV cache header")
+            if w[1] != VERSION:
+                raise RegionError(f"on-media format {w[1]}; this build reads {VERSION}")
             item.update(slots=w[3], capacity_blocks=w[4], block_bytes=w[5], block_tokens=w[6],
                         algorithm=ALGORITHM_NAMES.get(w[7], str(w[7])),
                         salt_digest=head[48:64].hex(),

@@ -8,7 +8,10 @@
 #    shared count is raised before the record and lowered after it, so a crash
 #    in between leaves a pin too many (a block kept), never one too few.
 #  - A record names its process by pid and start time; the node's other
-#    processes give back the pins of a record whose process is gone.
+#    processes give back the pins of a record whose process is gone. A process
+#    gives its record back when it closes the cache; a record of a live process
+#    that none of its open PinTables holds (the region was closed first) is
+#    given back by that process's next claim or recover.
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
@@ -36,6 +39,7 @@ cdef class PinTable:
     cdef int _rec                  # our record, and the pid that claimed it
     cdef int _rec_pid
     cdef object _region
+    cdef str _path                 # the node-local table's file (names our record in _HELD)
     cdef uint64_t done             # slots the last add_locked() changed
 
     cdef inline uint64_t at(self, uint64_t node, uint64_t s) noexcept nogil:

@@ -1,5 +1,7 @@
 # The pins of a KV cache (invariants in kvpins.pxd). A pinned block is never
-# evicted; the pins of a process that died are given back by its own node.
+# evicted; the pins of a process that died are given back by its own node, and a
+# process gives its record back when it closes the cache (or, if it could not,
+# at its next attach: a record of ours that no live PinTable holds is an orphan).
 from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
@@ -12,55 +14,25 @@ import fcntl
 import os
 
 from cxlrt.errors import RegionError
+from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
+
+__all__ = ["PinTable", "process_alive", "process_start"]
 
 cdef uint64_t TABLE_MAGIC = 0x31305050_4B4C5843  # "CXLKPP01"
 cdef uint64_t TABLE_HDR = 64
 cdef int RECORDS = 64                           # processes of one node pinning at once
 
 
-def process_start(pid):
-    """Start time of a process (clock ticks after boot), or 0 when unknown.
-
-    With the pid it names one process: a container restarted under the same pid
-    has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+_HELD = set()  # (table path, record) held by a live PinTable of this process
+_START = [0, 0]  # [pid, its start time]
 
 
-def _boot_id():
-    """16 bytes naming this boot of the host (zeros where the kernel does not say)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
-    except (OSError, ValueError):
-        return bytes(16)
-
-
-def _pid_namespace():
-    """Inode of this process's pid namespace (0 where unknown)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def process_alive(pid, start):
-    """False only when the process is certainly gone (or its pid was reused)."""
-    if pid > 0x7fffffff:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    now = process_start(pid)
-    return not (start and now and now != start)
+def _my_start():
+    pid = cxl_pid()
+    if _START[0] != pid:
+        _START[1] = process_start(pid)
+        _START[0] = pid
+    return _START[1]
 
 
 cdef class PinTable:
@@ -80,6 +52,7 @@ cdef class PinTable:
         self.pins = pins
         self.slots = slots
         self._rec = -1
+        self._path = path
         self._stride = 64 + (slots * 2 + 63) // 64 * 64
         self._open(path)
 
@@ -87,7 +60,7 @@ cdef class PinTable:
         size = TABLE_HDR + RECORDS * self._stride
         head = (TABLE_MAGIC.to_bytes(8, "little") + self.pins.to_bytes(8, "little")
                 + self.slots.to_bytes(8, "little"))
-        where = _boot_id() + _pid_namespace().to_bytes(8, "little")
+        where = boot_id() + pid_namespace().to_bytes(8, "little")
         fresh = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -254,12 +227,22 @@ cdef class PinTable:
         return cxl_fence(self.r)
 
     def _recover_locked(self):
+        """Give back records of dead processes, and this process's orphans: records
+        of ours that no open PinTable of this process holds (a cache closed after
+        its region, or dropped without close)."""
         cdef int k, rc
         cdef uint64_t s
+        me = cxl_pid()
+        mine = _my_start()
         freed = 0
         for k in range(RECORDS):
             pid, start = self._head(k)[0], self._head(k)[1]
-            if pid == 0 or process_alive(pid, start):
+            if pid == 0:
+                continue
+            if pid == me and start == mine:
+                if (self._path, k) in _HELD:
+                    continue
+            elif process_alive(pid, start):
                 continue
             for s in range(self.slots):
                 freed += self._record(k)[s]
@@ -270,7 +253,8 @@ cdef class PinTable:
         return freed
 
     def recover(self):
-        """Give back the pins of this node's dead processes; returns how many."""
+        """Give back the pins of this node's dead processes (and this process's
+        orphaned records); returns how many."""
         self._enter()
         try:
             return self._recover_locked()
@@ -287,15 +271,43 @@ cdef class PinTable:
             for k in range(RECORDS):
                 if self._head(k)[0] == 0:
                     memset(self._record(k), 0, self.slots * 2)
-                    self._head(k)[1] = process_start(pid)
+                    self._head(k)[1] = _my_start()
                     self._head(k)[0] = pid
                     self._rec = k
                     self._rec_pid = pid
+                    _HELD.add((self._path, k))
                     return
         finally:
             self.leave()
         raise RuntimeError(f"{RECORDS} live processes of node {self.node} already hold "
                            "records of this KV cache's pin table")
+
+    def close(self):
+        """Give our record back, with every pin it still holds. Idempotent.
+
+        Once the region is closed its pins cannot be written: the record is then
+        left to this process's next claim or recover (an orphan), or to the node's
+        other processes once this one exits.
+        """
+        cdef int rc, k = self._rec
+        if k < 0 or self._rec_pid != cxl_pid():
+            self._rec = -1
+            return
+        self._rec = -1
+        _HELD.discard((self._path, k))
+        if self.r.closed:
+            return
+        with nogil:
+            rc = self.enter()
+            if rc == 0:
+                rc = self._release(k)
+                self.leave()
+        if rc != 0:
+            raise RegionError(f"pin table: giving back pins: status {rc}")
+
+    def __dealloc__(self):
+        if self._rec >= 0 and self._rec_pid == cxl_pid() and _HELD is not None:
+            _HELD.discard((self._path, self._rec))  # the record is an orphan from now on
 
     def _clear(self):
         self._enter()

@@ -22,15 +22,17 @@ from cxlrt.errors import (
     UnsupportedError,
 )
 from cxlrt.hashing import block_hashes
-from cxlrt.kvcache import Hit, KVCache, SchemeMismatchError
+from cxlrt.kvcache import ClaimLost, Hit, KVCache, SchemeMismatchError
+from cxlrt.lock import LeaseLost, LockTimeout
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "Channel", "ChannelBusyError", "ChecksumError", "CoherenceError", "CxlrtError", "Hit",
-    "InvalidFreeError", "KVCache", "LayoutVersionError", "NodeRangeError", "NotARegionError",
+    "Caps", "Channel", "ChannelBusyError", "ChecksumError", "ClaimLost", "CoherenceError",
+    "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError", "LeaseLost",
+    "LockTimeout", "NodeRangeError", "NotARegionError",
     "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
     "RegionSizeError", "SchemeMismatchError", "UnsupportedError", "block_hashes", "format",
     "inspect", "open", "parse_size", "parse_spec",

@@ -10,7 +10,6 @@ entries it finishes under the meta lock, as any directory writer would.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import cxlrt

@@ -81,6 +81,10 @@ def _overlap_worker(spec, node, name, tag, seconds, barrier):
 
 # --- 3. a stalled holder is told, every time ----------------------------------------------
 
+def _report(q, fn, *args):
+    q.put(fn(*args))
+
+
 def _hold_then_release(spec, node, mode, ready, go, when):
     r = cxlrt.open(spec, node=node)
     lock = r.lock("stall", mode=mode)
@@ -113,8 +117,8 @@ def test_a_holder_stalled_past_its_lease_is_told_every_time(backend, reaper, mod
         if when == "waiting":
             lock0.acquire()
         q = _CTX.Queue()
-        p = _CTX.Process(target=lambda: q.put(
-            _hold_then_release(backend.spec(), 1, mode, ready, go, when)))
+        p = _CTX.Process(target=_report, args=(q, _hold_then_release, backend.spec(), 1, mode,
+                                               ready, go, when))
         p.start()
         reaper(p)
         assert ready.wait(30)
@@ -241,7 +245,7 @@ def test_a_slow_peer_cannot_make_a_healthy_node_look_dead(backend, reaper):
     r.lock("x")
     q, holding, done = _CTX.Queue(), _CTX.Event(), _CTX.Event()
     out = _CTX.Queue()
-    p = _CTX.Process(target=lambda: out.put(_owner_holds(backend.spec(), q, holding, done)))
+    p = _CTX.Process(target=_report, args=(out, _owner_holds, backend.spec(), q, holding, done))
     p.start()
     reaper(p)
     obj = q.get(timeout=30)

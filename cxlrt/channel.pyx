@@ -4,18 +4,27 @@
 A prefill worker tells a decode worker "request R: these keys are ready" with
 no network: the producer DMA-writes a message into the next slot of a ring in
 the region, then publishes its tail counter; the consumer observes the tail,
-DMA-reads the slot, then publishes its head counter. Each counter lives on its
-own line with one writer (see channel.pxd for the layout and invariants), so
-the channel needs no lock and no cross-node atomic per message.
+DMA-reads the slot, then publishes its head counter. Each counter lives on a
+line with one writer (see channel.pxd for the layout and invariants), so the
+channel needs no lock and no cross-node atomic per message.
 
 Roles: the first ``send()`` through a Channel object makes its process the
-producer and the first ``recv()``/``try_recv()`` makes it the consumer; the
-claim (node, pid, host) is recorded on the role's line under the region lock
-"cxlrt.channel". Another process asking for a role whose owner is alive gets
-:class:`ChannelBusyError`. An owner counts as gone once it ``close()``-d the
-channel, or when it ran on this host and its pid no longer exists, or when it
-ran on another host and its node's heartbeat is absent or older than the
-region's lease. A new owner continues from the counters on the line.
+producer and the first ``recv()``/``try_recv()`` makes it the consumer. The
+claim (node, incarnation, pid, start time, pid namespace, boot, epoch) is
+written on the role's own claim line under the region lock "cxlrt.channel".
+Another process asking for a role whose owner may be alive gets
+:class:`ChannelBusyError`. The role is taken over only when its owner is
+certainly gone, as judged by :mod:`cxlrt.liveness`:
+
+- it ``close()``-d the channel (the role is free);
+- its process is dead by (pid, start time), and it ran in our boot and our pid
+  namespace (a process of another pid namespace is never judged by pid);
+- its node is dead (its heartbeat counter stood still for a lease on our clock)
+  or detached, or the node has begun another life since the claim.
+
+A takeover bumps the epoch. The old owner, if it was only stalled, learns it at
+its next publish and raises :class:`ChannelRoleLostError`; a send or recv that
+returned was delivered, or taken, exactly once, across takeovers.
 """
 
 import os
@@ -29,18 +38,26 @@ from libc.string cimport memcpy
 
 from cxlrt.backend cimport (cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, cxl_load64,
                             cxl_persist, cxl_region, cxl_store64)
+from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, cxl_pid,
                                     likely, unlikely)
+from cxlrt.includes.thread cimport cxl_atomic_load_acquire64
+from cxlrt.liveness cimport Liveness, cxl_live_fenced, cxl_live_silent_since
 from cxlrt.region cimport Region
 
+from cxlrt.crash import point as _point
 from cxlrt.directory import check_name
 from cxlrt.errors import CxlrtError, RegionError
-from cxlrt.superblock import host_id as _host_id
+from cxlrt.liveness import boot_hash, pid_namespace, process_alive, process_start
+from cxlrt.lock import LeaseLost
 
-CHAN_MAGIC = int.from_bytes(b"CXLCHAN1", "little")
+CHAN_MAGIC = int.from_bytes(b"CXLCHAN2", "little")
+OLD_MAGICS = {int.from_bytes(b"CXLCHAN1", "little"): 1}  # layouts this build refuses
 LOCK_NAME = "cxlrt.channel"       # creation and role claims of every channel
 PREFIX = "chan/"                  # directory key of channel `name`
 MAX_NAME = 64 - len(PREFIX)       # bytes of UTF-8 (directory names are <= 64)
+RUNS = CXL_CHAN_RUNS              # run lines per role
+HEADER_BYTES = CXL_CHAN_HEADER    # header, claim and run lines before the ring
 
 cdef enum:
     # A blocked send/recv comes back for the GIL this often, to notice signals
@@ -50,15 +67,33 @@ cdef enum:
     # GIL when they need no wait: releasing it costs more than the copy.
     _NOGIL_BYTES = 4096
 
-assert sizeof(cxl_chan_header) == 64 and sizeof(cxl_chan_end) == 64
+cdef uint64_t NONE = <uint64_t>-1
+
+assert sizeof(cxl_chan_header) == 64 and sizeof(cxl_chan_claim) == 64
+assert sizeof(cxl_chan_run) == 64
+assert CXL_CHAN_HEADER == 64 * (3 + 2 * CXL_CHAN_RUNS)
+
+cdef int* _armed = cxl_crash_armed_ptr()
 
 # Set by _test_skip_observe(): observe() then loads without flushing first.
 # Only for the negative-control test; never set in production.
 cdef bint _skip_observe = False
+# Set by _test_skip_fencing(): owners never look at their epoch. Negative control only.
+cdef bint _skip_fencing = False
 
 
 class ChannelBusyError(CxlrtError, RuntimeError):
     """The producer (or consumer) role of a channel is held by another live process."""
+
+
+class ChannelRoleLostError(ChannelBusyError):
+    """This process held the role, and another process took it over.
+
+    Raised by the first send()/recv() after the takeover (the old owner was judged
+    gone while it was silent: stopped, paused, or its node judged dead). That call
+    did not send (or receive) its message; the message says so. The Channel object
+    no longer holds the role: a later call claims it again like a new process.
+    """
 
 
 # --- fast paths (no GIL, no Python) ------------------------------------------------------
@@ -76,6 +111,11 @@ cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexc
     return rc
 
 
+cdef inline uint64_t _line(uint64_t runs, uint64_t x) noexcept nogil:
+    """Offset of the line run `x` of a role lives on."""
+    return runs + (x % CXL_CHAN_RUNS) * 64
+
+
 cdef inline int _corrupt(cxl_chan* C, uint32_t kind, uint64_t value, uint64_t off) noexcept nogil:
     """Record what was wrong for the Python layer's message; CXLRT_E_CHANCORRUPT."""
     C.bad_kind = kind
@@ -84,50 +124,286 @@ cdef inline int _corrupt(cxl_chan* C, uint32_t kind, uint64_t value, uint64_t of
     return CXLRT_E_CHANCORRUPT
 
 
+cdef int _read_seq(const cxl_region* r, uint64_t line, uint64_t x, uint64_t* seq) noexcept nogil:
+    """Observe the counter of a run we have not read before: 0, CXL_CHAN_AGAIN if its
+    line holds another run (not set up yet), or an error. Key first: a line whose key
+    is x was complete when the key was stored (pairs with the run owner's persist), so
+    the counter, observed afresh after it, is run x's. Callers then confirm that the
+    claim still names x."""
+    cdef uint64_t tag = 0
+    cdef int rc = _observe64(r, line + 8, &tag)
+    if rc != 0:
+        return rc
+    if tag != x:
+        return CXL_CHAN_AGAIN
+    return _observe64(r, line, seq)
+
+
+cdef int _read_run(const cxl_region* r, uint64_t line, uint64_t x, uint64_t* base,
+                   uint64_t* src, uint64_t* flags) noexcept nogil:
+    """Observe run x's line (key, fields, key again): 0, CXL_CHAN_AGAIN if it holds
+    another run (not written yet, or replaced meanwhile), or an error. The fields read
+    here never change during run x (its counter, which does, is not read)."""
+    cdef uint64_t tag = 0, tag2 = 0
+    cdef int rc = cxl_flush(r, line, 64)
+    if rc == 0:
+        rc = cxl_load64(r, line + 8, &tag)
+    if rc == 0 and tag == x:
+        rc = cxl_load64(r, line + 16, base)
+        if rc == 0:
+            rc = cxl_load64(r, line + 24, src)
+        if rc == 0:
+            rc = cxl_load64(r, line + 32, flags)
+        if rc == 0:
+            rc = cxl_load64(r, line + 8, &tag2)
+    if rc != 0:
+        return rc
+    return 0 if tag == x and tag2 == x else CXL_CHAN_AGAIN
+
+
+cdef int _successor(cxl_chan* C, uint64_t claim, uint64_t runs, uint64_t x, uint64_t* succ,
+                    uint64_t* base, uint64_t* flags) noexcept nogil:
+    """The run that continued from run x, and its base (where x ends for everyone).
+
+    Walks back from the claim's run along the runs' sources. 0; CXL_CHAN_AGAIN while
+    that run is still being set up (or x is still current); CXLRT_E_CHANCORRUPT when
+    the chain is broken (more than CXL_CHAN_RUNS runs passed since x, or corrupt).
+    A run whose claimant stopped before writing its line is bypassed by the next
+    claim, whose source is then the stopped one's source.
+    """
+    cdef uint64_t R = 0, S = 0, R2 = 0, cur, s = 0, b = 0, f = 0, steps = 0
+    # Each word observed afresh (the claim may change meanwhile); a run's source is
+    # fixed when the run is claimed, so if the run is the same before and after, the
+    # source we read is that run's.
+    cdef int rc = _observe64(C.r, claim + 8, &R)
+    if rc == 0:
+        rc = _observe64(C.r, claim + 16, &S)
+    if rc == 0:
+        rc = _observe64(C.r, claim + 8, &R2)
+    if rc != 0:
+        return rc
+    if R != R2 or R == x:
+        return CXL_CHAN_AGAIN
+    if R < x:
+        return _corrupt(C, CXL_CHAN_BAD_RUN, R, claim + 8)
+    cur = R
+    rc = _read_run(C.r, _line(runs, cur), cur, &b, &s, &f)
+    if rc < 0:
+        return rc
+    if rc == CXL_CHAN_AGAIN:  # being set up, or its claimant stopped: its source is the claim's
+        s = S
+        b = NONE
+        f = 0
+    while True:
+        if s == x:
+            if b == NONE:
+                return CXL_CHAN_AGAIN
+            succ[0] = cur
+            base[0] = b
+            flags[0] = f
+            return 0
+        if s >= cur or s < x or steps >= CXL_CHAN_RUNS:
+            return _corrupt(C, CXL_CHAN_BAD_RUN, s, _line(runs, cur) + 24)
+        cur = s
+        steps += 1
+        rc = _read_run(C.r, _line(runs, cur), cur, &b, &s, &f)
+        if rc < 0:
+            return rc
+        if rc == CXL_CHAN_AGAIN:  # a run of the chain was replaced: its history is gone
+            return _corrupt(C, CXL_CHAN_BAD_RUN, cur, _line(runs, cur) + 8)
+
+
+cdef inline int _epoch_ok(const cxl_region* r, uint64_t claim, uint64_t epoch,
+                          uint64_t* ok_ns) noexcept nogil:
+    """Observe our claim's epoch: 0 while it is ours (and *ok_ns = now), else
+    CXLRT_E_CHANLOST. Pairs with a taker's persist of the claim, made before it reads
+    our counter: if we still see our epoch after our publish, the taker sees the publish."""
+    cdef uint64_t e = 0
+    cdef int rc
+    if unlikely(_skip_fencing):
+        return 0
+    rc = _observe64(r, claim, &e)
+    if rc != 0:
+        return rc
+    if e != epoch:
+        return CXLRT_E_CHANLOST
+    ok_ns[0] = cxl_now_ns()
+    return 0
+
+
+cdef inline int _epoch_still(cxl_chan* C, uint64_t claim, uint64_t epoch,
+                             uint64_t* ok_ns) noexcept nogil:
+    """Is our claim still in our epoch? 0 if so, else CXLRT_E_CHANLOST.
+
+    A takeover needs us gone by the liveness rules: our process dead (impossible
+    while we run), or our node silent for a lease as another node's clock sees it, or
+    our node in another life (which sets `fenced`). So while our node has beaten with
+    no gap longer than the lease since *ok_ns, when we last saw our epoch, our own
+    timestamps vouch for the epoch (the lock's LeaseLost rests on the same rule).
+    Otherwise (silent, fenced, or no liveness) we observe the epoch itself.
+    Budget when we were not silent: two process-local loads and a clock read.
+    """
+    if C.live != NULL:
+        if likely(not cxl_live_silent_since(C.live, ok_ns[0])) or unlikely(_skip_fencing):
+            return 0
+    return _epoch_ok(C.r, claim, epoch, ok_ns)
+
+
+cdef inline int _epoch_before(cxl_chan* C, uint64_t claim, uint64_t epoch,
+                              uint64_t* ok_ns) noexcept nogil:
+    """Before we write anything: _epoch_still without the clock read. It sees a silence
+    once our beat thread has recorded it (or our node's life ended), not one we are
+    still inside; the check after our publish, which reads the clock, decides.
+    Budget: two process-local loads."""
+    if C.live != NULL and likely(not cxl_live_fenced(C.live)) and likely(
+            cxl_atomic_load_acquire64(&C.live.gap_end) < ok_ns[0]):
+        return 0
+    return _epoch_still(C, claim, epoch, ok_ns)
+
+
+cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t claim,
+                         uint64_t epoch, uint64_t* ok_ns, const char* point) noexcept nogil:
+    """Publish counter + 1 on our run line, then re-check our epoch: 0, CXLRT_E_CHANLOST
+    (published, but the role may no longer be ours), or an error."""
+    cdef int rc
+    # Release: the slot's DMA (send) or reads (recv) complete before the counter moves
+    # (pairs with the acquire fence of the other end after it observes the counter).
+    cxl_fence_release()
+    rc = cxl_store64(C.r, line, counter[0] + 1)
+    if rc == 0:
+        # Publish (pairs with the other end's observe in _observe_tail/_observe_head).
+        rc = cxl_persist(C.r, line, 8)
+    if rc != 0:
+        return rc
+    counter[0] += 1
+    if unlikely(_armed[0]):
+        cxl_crash_hit(point)
+    # Still ours when the counter became visible? Then a taker, whose claim comes
+    # later, reads our counter after it and its base includes this message.
+    return _epoch_still(C, claim, epoch, ok_ns)
+
+
+cdef int _observe_head(cxl_chan* C) noexcept nogil:
+    """Refresh C.seen_head from the consumer's current run: 0 when it moved,
+    CXL_CHAN_AGAIN when it did not (or a consumer claim is being set up), or an error.
+
+    A head is valid only if the consumer claim still names its run after we read it
+    (pairs with a consumer taker, which publishes its claim before reading the old
+    head for its base): a resumed stale consumer's later head is never used.
+    """
+    cdef uint64_t h = 0, R = 0, R2 = 0
+    cdef int rc = CXL_CHAN_AGAIN
+    if C.c_run_seen != NONE:
+        # Our run's line holds it until a claim names a run RUNS later: if the claim
+        # still names it after we read head, so did the line when we read it.
+        rc = _observe64(C.r, _line(C.cruns, C.c_run_seen), &h)
+        if rc == 0:
+            rc = _observe64(C.r, C.cclaim + 8, &R)
+        if rc < 0:
+            return rc
+        if R != C.c_run_seen:
+            rc = CXL_CHAN_AGAIN
+    if rc != 0:  # the consumer's run changed: read the new one's head, then confirm it
+        rc = _observe64(C.r, C.cclaim + 8, &R)
+        if rc == 0:
+            rc = _read_seq(C.r, _line(C.cruns, R), R, &h)
+        if rc == 0:
+            rc = _observe64(C.r, C.cclaim + 8, &R2)
+            if rc == 0 and R2 != R:
+                rc = CXL_CHAN_AGAIN
+        if rc != 0:
+            return rc
+        C.c_run_seen = R
+    # head only grows and never passes our tail: seen_head <= h <= tail.
+    if unlikely(h - C.seen_head > C.tail - C.seen_head):
+        return _corrupt(C, CXL_CHAN_BAD_HEAD, h, _line(C.cruns, C.c_run_seen))
+    if h == C.seen_head:
+        return CXL_CHAN_AGAIN
+    C.seen_head = h
+    # Acquire: our DMA into the freed slots starts after the load of head
+    # (pairs with the consumer's release fence before it publishes head).
+    return cxl_fence(C.r)
+
+
+cdef inline int _room(cxl_chan* C) noexcept nogil:
+    """0 if the ring has a free slot for message C.tail, CXL_CHAN_AGAIN if full."""
+    cdef int rc
+    if likely(C.tail - C.seen_head < C.slots):
+        return 0
+    rc = _observe_head(C)
+    if rc != 0:
+        return rc
+    return 0 if C.tail - C.seen_head < C.slots else CXL_CHAN_AGAIN
+
+
+cdef int _send_slow(cxl_chan* C) noexcept nogil:
+    """A new run's hole, then its quarantined slot: 0 to go on, CXL_CHAN_AGAIN to wait."""
+    cdef int rc
+    if C.p_hole:
+        rc = _room(C)
+        if rc != 0:
+            return rc
+        # Publish the hole: message C.tail is the stalled old owner's, and its slot is
+        # never read (pairs with the consumer's observe of tail).
+        rc = cxl_store64(C.r, C.p_line, C.tail + 1)
+        if rc == 0:
+            rc = cxl_persist(C.r, C.p_line, 8)
+        if rc != 0:
+            return rc
+        C.tail += 1
+        C.p_hole = 0
+    if C.q_until:
+        if cxl_now_ns() >= C.q_until:
+            C.q_until = 0
+        elif C.tail % C.slots == C.q_slot:
+            return CXL_CHAN_AGAIN  # the old owner may still write there: wait out a lease
+    return 0
+
+
 cdef int cxl_chan_send_try(cxl_chan* C, const char* p, uint64_t n) noexcept nogil:
     """Send one message if the ring has room: 0, CXL_CHAN_AGAIN when full, or an error.
 
-    Budget while the last observed head leaves room: one DMA (two above
-    CXL_CHAN_COPY_MAX bytes), one store and one persist; head is observed again
-    only when the ring looks full. Pre: n <= msg_bytes, we own the producer role.
+    Budget while the last validated head leaves room: one DMA (two above
+    CXL_CHAN_COPY_MAX bytes), one store and persist, and our silence checks (a few
+    process-local loads and one clock read); our epoch is observed only after a
+    silence. Pre: n <= msg_bytes, we own the producer role. CXLRT_E_CHANLOST with
+    C.p_lost_phase 0: nothing was published; 1: the tail was, and the Python layer
+    decides from the new run's base whether the message counts.
     """
-    cdef uint64_t h = 0, slot, word = n
+    cdef uint64_t slot
+    cdef uint64_t hdr[2]
     cdef int rc
     cdef char buf[CXL_CHAN_COPY_MAX + CXL_CHAN_LEN]
-    if unlikely(C.tail - C.seen_head >= C.slots):
-        rc = _observe64(C.r, C.cons, &h)
+    C.p_lost_phase = 0
+    rc = _epoch_before(C, C.pclaim, C.p_epoch, &C.p_ok_ns)  # stop before writing the slot
+    if unlikely(rc != 0):
+        return rc
+    if unlikely(C.p_hole or C.q_until):
+        rc = _send_slow(C)
         if rc != 0:
             return rc
-        # head only grows and never passes our tail: seen_head <= h <= tail.
-        if unlikely(h - C.seen_head > C.tail - C.seen_head):
-            return _corrupt(C, CXL_CHAN_BAD_HEAD, h, C.cons)
-        if h == C.seen_head:
-            return CXL_CHAN_AGAIN
-        C.seen_head = h
-        # Acquire: our DMA into the freed slots starts after the load of head
-        # (pairs with the consumer's release fence before it publishes head).
-        rc = cxl_fence(C.r)
-        if rc != 0:
-            return rc
+    rc = _room(C)
+    if rc != 0:
+        return rc
     slot = C.ring + (C.tail % C.slots) * C.slot_bytes
+    hdr[0] = n
+    hdr[1] = C.tail  # the message number: a consumer checks it against its head
     if n <= CXL_CHAN_COPY_MAX:
-        memcpy(buf, &word, CXL_CHAN_LEN)
+        memcpy(buf, hdr, CXL_CHAN_LEN)
         memcpy(buf + CXL_CHAN_LEN, p, n)
         rc = cxl_dma_write(C.r, slot, buf, n + CXL_CHAN_LEN)
     else:
         rc = cxl_dma_write(C.r, slot + CXL_CHAN_LEN, p, n)
         if rc == 0:
-            rc = cxl_dma_write(C.r, slot, &word, CXL_CHAN_LEN)
+            rc = cxl_dma_write(C.r, slot, hdr, CXL_CHAN_LEN)
     if rc != 0:
         return rc
-    # The DMA is complete and visible on return; keep the tail store after it.
-    cxl_fence_release()
-    rc = cxl_store64(C.r, C.prod, C.tail + 1)
-    if rc == 0:
-        # Publish tail (pairs with the consumer's observe in cxl_chan_peek).
-        rc = cxl_persist(C.r, C.prod, 8)
-    if rc == 0:
-        C.tail += 1
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"chan.send")
+    # The DMA is complete and visible on return; the tail store stays after it.
+    rc = _publish(C, C.p_line, &C.tail, C.pclaim, C.p_epoch, &C.p_ok_ns, b"chan.send.post")
+    if unlikely(rc == CXLRT_E_CHANLOST):
+        C.p_lost_phase = 1
     return rc
 
 
@@ -143,38 +419,104 @@ cdef int cxl_chan_send_wait(cxl_chan* C, const char* p, uint64_t n,
         cxl_backoff(&spins)
 
 
+cdef int _observe_tail(cxl_chan* C) noexcept nogil:
+    """Validate a tail beyond C.head: 0 (C.seen_tail > C.head), CXL_CHAN_AGAIN when
+    nothing new is published, or an error. Follows the producer's runs.
+
+    A tail read from run x's line counts only if the producer claim still names x
+    after the read (pairs with a producer taker, which publishes its claim before it
+    reads x's tail for its base). Once the claim names a later run, x ends at that
+    run's base, whatever a resumed stale owner of x publishes later.
+    """
+    cdef uint64_t t = 0, R = 0, x = 0, b = 0, s = 0, f = 0
+    cdef int rc
+    while True:
+        if C.p_end != NONE:
+            if C.head < C.p_end:
+                C.seen_tail = C.p_end
+                return cxl_fence(C.r)  # acquire: the slot reads follow the validating loads
+            # Message `head` is the successor's: its line was complete when we found it.
+            rc = _read_run(C.r, _line(C.pruns, C.p_next), C.p_next, &b, &s, &f)
+            if rc < 0:
+                return rc
+            if rc != 0 or b != C.head:
+                return _corrupt(C, CXL_CHAN_BAD_RUN, C.p_next, _line(C.pruns, C.p_next) + 8)
+            C.p_run_seen = C.p_next
+            C.p_end = NONE
+            if f & CXL_CHAN_RUN_HOLE:
+                C.hole_at = b
+        # Budget: two observes. The run's line holds it until a claim names a run RUNS
+        # later, so a claim naming it after our read vouches for the value we read.
+        rc = _observe64(C.r, _line(C.pruns, C.p_run_seen), &t)
+        if rc != 0:
+            return rc
+        rc = _observe64(C.r, C.pclaim + 8, &R)
+        if rc != 0:
+            return rc
+        if R == C.p_run_seen:
+            # tail only grows and stays within `slots` of our head (wraps show as huge).
+            if unlikely(t - C.head > C.slots):
+                return _corrupt(C, CXL_CHAN_BAD_TAIL, t, _line(C.pruns, C.p_run_seen))
+            if t == C.head:
+                return CXL_CHAN_AGAIN
+            C.seen_tail = t
+            # Acquire: the slot reads start after the load of tail (pairs with the
+            # producer's release fence between its DMA and its tail store).
+            return cxl_fence(C.r)
+        rc = _successor(C, C.pclaim, C.pruns, C.p_run_seen, &x, &b, &f)
+        if rc != 0:
+            return rc
+        if unlikely(b - C.head > C.slots):
+            return _corrupt(C, CXL_CHAN_BAD_TAIL, b, _line(C.pruns, x) + 16)
+        C.p_end = b
+        C.p_next = x
+
+
+cdef int _skip_hole(cxl_chan* C) noexcept nogil:
+    """Consume the hole at head: publish head + 1 without reading the slot."""
+    cdef int rc = _epoch_before(C, C.cclaim, C.c_epoch, &C.c_ok_ns)
+    if rc == 0:
+        rc = cxl_store64(C.r, C.c_line, C.head + 1)
+    if rc == 0:
+        rc = cxl_persist(C.r, C.c_line, 8)  # publish head (pairs with _observe_head)
+    if rc == 0:
+        C.head += 1
+        C.hole_at = NONE
+    return rc
+
+
 cdef int cxl_chan_peek(cxl_chan* C) noexcept nogil:
     """Read the first line of the message at head: 0, CXL_CHAN_AGAIN when empty, or an error.
 
-    Budget while the last observed tail is ahead of head: one 64-byte DMA read;
-    tail is observed again only when the ring looks empty. On 0, C.cur_len and
-    C.first hold the length (checked against msg_bytes) and the first line.
+    Budget while the last validated tail is ahead of head: one 64-byte DMA read;
+    tail (and the producer's run) is observed only when the ring looks empty. On 0,
+    C.cur_len and C.first hold the length (checked) and the first line.
     """
-    cdef uint64_t t = 0, n = 0, slot
+    cdef uint64_t hdr[2]
+    cdef uint64_t slot
     cdef int rc
-    if C.head == C.seen_tail:
-        rc = _observe64(C.r, C.prod, &t)
-        if rc != 0:
-            return rc
-        # tail only grows and stays within `slots` of our head (wraps show as huge).
-        if unlikely(t - C.head > C.slots):
-            return _corrupt(C, CXL_CHAN_BAD_TAIL, t, C.prod)
-        if t == C.head:
-            return CXL_CHAN_AGAIN
-        C.seen_tail = t
-        # Acquire: the slot reads start after the load of tail (pairs with the
-        # producer's release fence between its DMA and its tail store).
-        rc = cxl_fence(C.r)
-        if rc != 0:
-            return rc
+    C.c_lost_phase = 0
+    while True:
+        if C.head == C.seen_tail:
+            rc = _observe_tail(C)
+            if rc != 0:
+                return rc
+        if unlikely(C.head == C.hole_at):
+            rc = _skip_hole(C)
+            if rc != 0:
+                return rc
+            continue
+        break
     slot = C.ring + (C.head % C.slots) * C.slot_bytes
     rc = cxl_dma_read(C.r, slot, C.first, 64)  # slot_bytes >= 64: inside the slot
     if rc != 0:
         return rc
-    memcpy(&n, C.first, CXL_CHAN_LEN)
-    if unlikely(n > C.msg_bytes):
-        return _corrupt(C, CXL_CHAN_BAD_LEN, n, slot)
-    C.cur_len = n
+    memcpy(hdr, C.first, CXL_CHAN_LEN)
+    if unlikely(hdr[0] > C.msg_bytes):
+        return _corrupt(C, CXL_CHAN_BAD_LEN, hdr[0], slot)
+    if unlikely(hdr[1] != C.head):
+        return _corrupt(C, CXL_CHAN_BAD_NUM, hdr[1], slot + 8)
+    C.cur_len = hdr[0]
     return 0
 
 
@@ -190,44 +532,49 @@ cdef int cxl_chan_recv_wait(cxl_chan* C, uint64_t until_ns) noexcept nogil:
 
 
 cdef int cxl_chan_take(cxl_chan* C, char* out) noexcept nogil:
-    """Copy the peeked message into `out` (C.cur_len bytes), then publish head + 1."""
+    """Copy the peeked message into `out` (C.cur_len bytes), then publish head + 1.
+
+    CXLRT_E_CHANLOST with C.c_lost_phase 0: head was not published (the message is
+    the new consumer's); 1: it was, and the Python layer decides from the new run's
+    base whether the message counts as ours.
+    """
     cdef uint64_t n = C.cur_len
     cdef uint64_t slot = C.ring + (C.head % C.slots) * C.slot_bytes
     cdef int rc = 0
+    C.c_lost_phase = 0
     memcpy(out, C.first + CXL_CHAN_LEN, n if n < CXL_CHAN_INLINE else CXL_CHAN_INLINE)
     if n > CXL_CHAN_INLINE:
         rc = cxl_dma_read(C.r, slot + 64, out + CXL_CHAN_INLINE, n - CXL_CHAN_INLINE)
         if rc != 0:
             return rc
-    # Release: every read of the slot is done before head moves and the producer
-    # may reuse it (pairs with the producer's acquire fence after observing head).
-    cxl_fence_release()
-    rc = cxl_store64(C.r, C.cons, C.head + 1)
-    if rc == 0:
-        # Publish head (pairs with the producer's observe in cxl_chan_send_try).
-        rc = cxl_persist(C.r, C.cons, 8)
-    if rc == 0:
-        C.head += 1
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"chan.recv")
+    rc = _epoch_before(C, C.cclaim, C.c_epoch, &C.c_ok_ns)  # stop before publishing head
+    if unlikely(rc != 0):
+        return rc
+    # Every read of the slot is done before head moves and the producer may reuse it.
+    rc = _publish(C, C.c_line, &C.head, C.cclaim, C.c_epoch, &C.c_ok_ns, b"chan.recv.post")
+    if unlikely(rc == CXLRT_E_CHANLOST):
+        C.c_lost_phase = 1
     return rc
 
 
-cdef int cxl_chan_release(cxl_chan* C, uint64_t line, uint32_t node, uint64_t pid) noexcept nogil:
-    """Clear the owner words of our role's line and publish them, if they still name
-    us (node, pid): a process that took the role over, having judged us dead, is the
-    line's writer now, and a line has one writer."""
-    cdef int rc = cxl_flush(C.r, line, 64)
-    cdef uint64_t i, owner = 0, opid = 0
+cdef int cxl_chan_release(const cxl_region* r, uint64_t claim, uint64_t epoch,
+                          uint64_t owner) noexcept nogil:
+    """Clear the owner word of a claim line if it still names us (owner) in our epoch:
+    a process that took the role over is the line's writer now, and a line has one
+    writer. One word: a partial write-back cannot mix two claims."""
+    cdef uint64_t e = 0, o = 0
+    cdef int rc = cxl_flush(r, claim, 64)
     if rc == 0:
-        rc = cxl_load64(C.r, line + 8, &owner)
+        rc = cxl_load64(r, claim, &e)
     if rc == 0:
-        rc = cxl_load64(C.r, line + 16, &opid)
-    if rc != 0 or owner != node + 1 or opid != pid:
+        rc = cxl_load64(r, claim + 24, &o)
+    if rc != 0 or e != epoch or o != owner:
         return rc
-    for i in range(1, 5):
-        if rc == 0:
-            rc = cxl_store64(C.r, line + i * 8, 0)
+    rc = cxl_store64(r, claim + 24, 0)
     if rc == 0:
-        rc = cxl_persist(C.r, line, 64)
+        rc = cxl_persist(r, claim, 64)
     return rc
 
 
@@ -237,6 +584,17 @@ cdef int cxl_chan_release(cxl_chan* C, uint64_t line, uint32_t node, uint64_t pi
 # (pid, region uuid, channel offset, "producer"|"consumer") -> weakref(Channel).
 # Two objects of one process must not share a role: each keeps its own counter.
 _roles = {}
+_IDS = {}  # pid -> (start time, pid namespace, boot) of this process
+
+
+def _ids():
+    """(start time, pid namespace, boot hash) of this process (a forked child has its own)."""
+    pid = os.getpid()
+    v = _IDS.get(pid)
+    if v is None:
+        _IDS.clear()
+        v = _IDS[pid] = (process_start(pid), pid_namespace(), boot_hash())
+    return v
 
 
 def _check_name(name):
@@ -266,16 +624,31 @@ def _deadline(timeout):
     return cxl_now_ns() + <uint64_t>min(t * 1e9, 1e18)
 
 
-def _pid_alive(pid):
-    if not 0 < pid < 1 << 31:
-        return False  # no process has that id: a scribbled owner word
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _words(raw):
+    return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
+
+
+def _claim_words(r, uint64_t off):
+    """The claim line at `off`, observed (one load of the line)."""
+    r.flush(off, 64)
+    epoch, run, src, owner, inc, start, pidns, boot = _words(r.load(off, 64))
+    return {"epoch": epoch, "run": run, "src": src, "owner": owner,
+            "node": (owner & 0xFFFFFFFF) - 1, "pid": owner >> 32, "incarnation": inc,
+            "start": start, "pidns": pidns, "boot": boot}
+
+
+def _run_words(r, uint64_t runs, uint64_t x):
+    """Run x's line, observed key first and key again; None if it holds another run."""
+    line = _line(runs, x)
+    r.flush(line, 64)
+    if r.load64(line + 8) != x:
+        return None
+    base, src, flags = r.load64(line + 16), r.load64(line + 24), r.load64(line + 32)
+    r.flush(line, 64)  # the counter may move meanwhile: observe it afresh
+    seq = r.load64(line)
+    if r.load64(line + 8) != x:
+        return None
+    return {"seq": seq, "base": base, "src": src, "flags": flags, "line": line}
 
 
 cdef class Channel:
@@ -292,7 +665,7 @@ cdef class Channel:
         channel's (None accepts whatever it has).
     msg_bytes : int or None, optional
         Largest message in bytes (default 4096); each slot takes
-        ``8 + msg_bytes`` rounded up to 64 bytes. Checked like `slots`.
+        ``16 + msg_bytes`` rounded up to 64 bytes. Checked like `slots`.
     create : bool, optional
         Create the channel if the name is absent (default True); else KeyError.
 
@@ -300,8 +673,10 @@ cdef class Channel:
     -----
     One process sends and one receives (roles are claimed on first use, see
     the module docs); a Channel object serves one sending thread and one
-    receiving thread at a time. Messages arrive in order, each once (a
-    consumer that dies inside recv() may leave its message to the next one).
+    receiving thread at a time. Messages arrive in order, each once: a send()
+    that returned is received exactly once, even across takeovers; a message
+    whose send() raised is never received. A consumer killed between taking a
+    message and returning it from recv() takes it with it (at most once).
     """
 
     def __init__(self, Region region not None, str name not None, *, slots=64,
@@ -312,6 +687,13 @@ cdef class Channel:
         self.region = region
         self.name = name
         self.C.r = region.r
+        self.C.c_run_seen = NONE
+        self.C.p_end = NONE
+        self.C.hole_at = NONE
+        live = region.liveness
+        if live is not None:
+            self._live = live
+            self.C.live = (<Liveness>live).ctx()
         key = PREFIX + name
         try:
             off = region.get(key)
@@ -336,10 +718,11 @@ cdef class Channel:
             # Write back and drop whatever our node cached of this memory's earlier
             # life, so the DMAs below (and the producer's) are never over our dirty lines.
             r.flush(off, total)
-            r.dma_write(off + 64, bytes(128))  # no owners, tail = head = 0
+            # No owners, epoch 0, run 0 (whose zero-filled line is valid: seq 0, base 0).
+            r.dma_write(off + 64, bytes(CXL_CHAN_HEADER - 64))
             hdr = bytearray(64)
             for i, v in enumerate((0, CXL_CHAN_VERSION, slots, msg_bytes, sb, CXL_CHAN_HEADER,
-                                   time.time_ns())):
+                                   CXL_CHAN_RUNS, time.time_ns())):
                 hdr[i * 8:i * 8 + 8] = v.to_bytes(8, "little")
             r.dma_write(off, hdr)
             # dma_write fences: the body is in the medium before the magic is.
@@ -358,8 +741,12 @@ cdef class Channel:
             raise RegionError(f"{where}: offset is not a 64-byte aligned object inside the "
                               f"region of {r.size} bytes (corrupt directory?)")
         raw = r.dma_read(off, 64)  # immutable since creation: never dirty anywhere
-        w = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, 64, 8)]
-        magic, version, h_slots, h_msg, h_sb, h_ring = w[:6]
+        magic, version, h_slots, h_msg, h_sb, h_ring, h_runs = _words(raw)[:7]
+        if magic in OLD_MAGICS:
+            raise RegionError(f"{where} is a layout-version {OLD_MAGICS[magic]} channel, which "
+                              f"keeps role claims beside its counters; this build reads "
+                              f"version {CXL_CHAN_VERSION} only. Delete it (region.delete("
+                              f"{PREFIX + self.name!r})) and create it again")
         if magic != CHAN_MAGIC:
             raise RegionError(f"{where} does not hold a channel (magic {magic:#x}; "
                               "another kind of object, or a creator died mid-way)")
@@ -368,10 +755,10 @@ cdef class Channel:
                               f"version {CXL_CHAN_VERSION}")
         if not (1 <= h_slots <= CXL_CHAN_MAX_SLOTS and 1 <= h_msg <= CXL_CHAN_MAX_MSG
                 and h_sb == _slot_bytes(h_msg) and h_ring == CXL_CHAN_HEADER
-                and off + h_ring + h_slots * h_sb <= r.size):
+                and h_runs == CXL_CHAN_RUNS and off + h_ring + h_slots * h_sb <= r.size):
             raise RegionError(f"{where}: header is corrupt (slots={h_slots}, "
-                              f"msg_bytes={h_msg}, slot_bytes={h_sb}, ring={h_ring}) for a "
-                              f"region of {r.size} bytes")
+                              f"msg_bytes={h_msg}, slot_bytes={h_sb}, ring={h_ring}, "
+                              f"runs={h_runs}) for a region of {r.size} bytes")
         diff = []
         if slots is not None and slots != h_slots:
             diff.append(f"slots={h_slots} (asked for {slots})")
@@ -381,8 +768,10 @@ cdef class Channel:
             raise ValueError(f"channel {self.name!r} exists with a different geometry: "
                              f"{', '.join(diff)}")
         self.offset = off
-        self.C.prod = off + 64
-        self.C.cons = off + 128
+        self.C.pclaim = off + 64
+        self.C.cclaim = off + 128
+        self.C.pruns = off + 192
+        self.C.cruns = off + 192 + 64 * CXL_CHAN_RUNS
         self.C.ring = off + h_ring
         self.C.slots = h_slots
         self.C.msg_bytes = h_msg
@@ -402,7 +791,7 @@ cdef class Channel:
 
     @property
     def slot_bytes(self):
-        """Bytes a slot takes in the region (8-byte length + msg_bytes, whole lines)."""
+        """Bytes a slot takes in the region (16-byte header + msg_bytes, whole lines)."""
         return self.C.slot_bytes
 
     @property
@@ -417,38 +806,127 @@ cdef class Channel:
     # --- roles ---------------------------------------------------------------------
 
     def owner(self, role):
-        """``{"node", "pid", "host"}`` of the process holding `role`, or None.
+        """The claim of `role`: ``{"node", "pid", "incarnation", "epoch", "run",
+        "pidns", "boot"}``, or None when nobody holds it.
 
         Parameters
         ----------
         role : {"producer", "consumer"}
         """
-        line = self._line(role)
-        r = self.region
-        r.flush(line, 64)  # observe: the owner words change under the channel lock
-        node1, pid, host = r.load64(line + 8), r.load64(line + 16), r.load64(line + 24)
-        if not node1:
+        c = _claim_words(self.region, self._claim_off(role))
+        if not c["owner"]:
             return None
-        return {"node": node1 - 1, "pid": pid, "host": host}
+        return {k: c[k] for k in ("node", "pid", "incarnation", "epoch", "run", "pidns",
+                                  "boot")}
 
-    def _line(self, role):
+    def _claim_off(self, role):
         if role == "producer":
-            return self.C.prod
+            return self.C.pclaim
         if role == "consumer":
-            return self.C.cons
+            return self.C.cclaim
         raise ValueError(f"role is 'producer' or 'consumer', not {role!r}")
 
-    def _owner_alive(self, node, pid, host):
+    def _runs_off(self, role):
+        return self.C.pruns if role == "producer" else self.C.cruns
+
+    def _node_incarnation(self, node):
+        """The current life of `node`, observed in its node area (written by that node)."""
         r = self.region
-        if host == _host_id():
-            return _pid_alive(pid)
-        if node >= r.nodes:
+        if node == r.node:
+            return self._live.incarnation
+        off = r.node_area(node)
+        r.flush(off, 64)
+        return r.load64(off + 16)
+
+    def _judge(self, c):
+        """'alive', 'dead' (certainly gone: it cannot write again) or 'silent' (gone by
+        its node's liveness: it may be stalled and resume).
+
+        A process is judged by (pid, start time) only in our boot and pid namespace;
+        anywhere else only its node's heartbeat and incarnation can tell.
+        """
+        r = self.region
+        _, pidns, boot = _ids()
+        if c["boot"] == boot and c["pidns"] == pidns and not process_alive(
+                c["pid"], c["start"], c["pidns"]):
+            return "dead"
+        node = c["node"]
+        if not 0 <= node < r.nodes:
+            return "silent"  # a scribbled owner word names no node: nobody can hold it
+        state = r.liveness.state(node)
+        if state in ("dead", "never attached"):
+            return "silent"
+        if self._node_incarnation(node) != c["incarnation"]:
+            return "silent"  # the node began another life: the owner's life is over
+        if state == "detached":
+            return "dead"  # its last process left cleanly: none of its processes remain
+        return "alive"
+
+    def _busy(self, role, c):
+        _, pidns, boot = _ids()
+        r = self.region
+        if c["node"] == r.node and c["boot"] == boot and c["pidns"] != pidns:
+            why = ("it runs in another pid namespace of our node, which only its node's "
+                   "heartbeat can judge, and that beats")
+        elif c["boot"] == boot and c["pidns"] == pidns:
+            why = "its process exists"
+        else:
+            why = (f"its node's heartbeat moved within the last {r.lease_ms / 1000.0} s "
+                   "lease (a node first looked at counts as alive for a lease)")
+        return ChannelBusyError(
+            f"channel {self.name!r}: its {role} is node {c['node']} pid {c['pid']}, which "
+            f"is alive ({why}); a channel has one {role} (open one channel per "
+            f"sender/receiver pair, or close() the other {role} first)")
+
+    def _history_ok(self, c, uint64_t new_run):
+        """A new producer run may replace the line of run new_run - RUNS only once the
+        consumer is past that run's end (it walks the runs it has not finished)."""
+        r = self.region
+        runs = self.C.pruns
+        line = _line(runs, new_run)
+        r.flush(line, 64)
+        x = r.load64(line + 8)
+        if x % CXL_CHAN_RUNS != new_run % CXL_CHAN_RUNS or x >= new_run:
+            return True  # never used
+        cur, ln = c["run"], _run_words(r, runs, c["run"])
+        if ln is None:
+            cur, ln = c["src"], _run_words(r, runs, c["src"])
+        end = None
+        while ln is not None and cur > x:
+            end = ln["base"]
+            if ln["src"] >= cur:
+                break
+            cur, ln = ln["src"], _run_words(r, runs, ln["src"])
+        if end is None:
             return False
-        # Another host: the best we can see is whether its node still beats.
-        return r.liveness.state(node) == "alive"
+        cc = _claim_words(r, self.C.cclaim)
+        cl = _run_words(r, self.C.cruns, cc["run"])
+        return cl is not None and cl["seq"] >= end
+
+    def _locate(self, uint64_t head):
+        """(producer run holding message `head`, hole number or NONE), walking back from
+        the producer's newest complete run."""
+        r = self.region
+        c = _claim_words(r, self.C.pclaim)
+        cur, ln = c["run"], _run_words(r, self.C.pruns, c["run"])
+        if ln is None:
+            cur, ln = c["src"], _run_words(r, self.C.pruns, c["src"])
+        for _ in range(CXL_CHAN_RUNS + 1):
+            if ln is None:
+                break
+            if ln["base"] <= head:
+                hole = head if ln["flags"] & CXL_CHAN_RUN_HOLE and ln["base"] == head else NONE
+                return cur, hole
+            if ln["src"] >= cur:
+                break
+            cur, ln = ln["src"], _run_words(r, self.C.pruns, ln["src"])
+        raise RegionError(f"channel {self.name!r}: cannot find the producer run holding "
+                          f"message {head} (run chain broken at run {cur}: corrupt, or more "
+                          f"than {CXL_CHAN_RUNS} producer takeovers ago)")
 
     cdef _claim(self, str role):
-        """Make this process the channel's `role` (first send/recv); ChannelBusyError if taken."""
+        """Make this process the channel's `role` (first send/recv); ChannelBusyError if
+        its owner may be alive."""
         self._check_open()
         r = self.region
         pid = os.getpid()
@@ -458,49 +936,150 @@ cdef class Channel:
         if other is not None and other is not self and not other.closed:
             raise ChannelBusyError(f"channel {self.name!r}: another Channel object of this "
                                    f"process is already its {role}; use that one")
-        line = self._line(role)
-        with r.lock(LOCK_NAME):
-            r.flush(line, 64)  # observe the line: its last writer may be another node
-            seq, node1, opid, ohost = (r.load64(line), r.load64(line + 8),
-                                       r.load64(line + 16), r.load64(line + 24))
-            if node1 and not (node1 - 1 == r.node and opid == pid):
-                if self._owner_alive(node1 - 1, opid, ohost):
-                    raise ChannelBusyError(
-                        f"channel {self.name!r}: its {role} is node {node1 - 1} pid {opid}, "
-                        f"which is alive; a channel has one {role} (open one channel per "
-                        f"sender/receiver pair, or close() the other {role} first)")
-            r.store64(line + 8, r.node + 1)
-            r.store64(line + 16, pid)
-            r.store64(line + 24, _host_id())
-            r.store64(line + 32, time.time_ns())
-            r.persist(line, 64)  # publish the claim before the lock is released
-        other_line = self.C.cons if role == "producer" else self.C.prod
-        r.flush(other_line, 8)  # observe the other end's counter
-        oseq = r.load64(other_line)
-        tail, head = (seq, oseq) if role == "producer" else (oseq, seq)
-        if head > tail or tail - head > self.C.slots:
-            self._release(role)
-            raise RegionError(f"channel {self.name!r}: counters are corrupt (tail {tail}, "
-                              f"head {head}, {self.C.slots} slots)")
+        if self._live is None:
+            raise RegionError(f"channel {self.name!r}: {r.spec} is attached as an observer, "
+                              f"which cannot take the {role} role; open it as a node")
+        start, pidns, boot = _ids()
+        me = {"owner": (r.node + 1) | (pid << 32), "incarnation": self._live.incarnation,
+              "start": start, "pidns": pidns, "boot": boot}
+        lk = r.lock(LOCK_NAME)
+        lk.acquire()
+        err = info = None
+        try:
+            info = self._claim_locked(role, me)
+        except BaseException as e:
+            err = e
+        try:
+            lk.release()
+        except LeaseLost as e:
+            # We were silent past the lease holding the lock: another claimant may have
+            # run meanwhile. Keep the claim only if it still names us in our epoch.
+            if err is None:
+                c = _claim_words(r, self._claim_off(role))
+                if c["epoch"] != info["epoch"] or c["owner"] != me["owner"]:
+                    err = ChannelRoleLostError(
+                        f"channel {self.name!r}: this process was silent past the lease "
+                        f"while claiming the {role} role, and node {c['node']} pid "
+                        f"{c['pid']} took it over")
+                    err.__cause__ = e
+        if err is not None:
+            raise err
+        now = cxl_now_ns()
         if role == "producer":
-            self.C.tail = seq
-            self.C.seen_head = oseq
+            self.C.p_epoch = info["epoch"]
+            self.C.p_run = info["run"]
+            self.C.p_line = info["line"]
+            self.C.tail = info["seq"]
+            # Any lower bound of head will do: the first full-looking ring observes it.
+            self.C.seen_head = info["seq"] - self.C.slots if info["seq"] > self.C.slots else 0
+            self.C.c_run_seen = NONE
+            self.C.p_hole = info["hole"]
+            self.C.q_until = 0
+            if info["hole"]:
+                self.C.q_slot = info["seq"] % self.C.slots
+                self.C.q_until = now + <uint64_t>r.lease_ms * 1000000
+            self.C.p_ok_ns = now
             self._prod_pid = pid
+            self._prod_lost = None
         else:
-            self.C.head = seq
-            self.C.seen_tail = seq  # observe tail on the first peek
+            self.C.c_epoch = info["epoch"]
+            self.C.c_run = info["run"]
+            self.C.c_line = info["line"]
+            self.C.head = info["seq"]
+            self.C.seen_tail = info["seq"]  # observe tail on the first peek
+            self.C.p_run_seen, self.C.hole_at = info["prun"], info["hole_at"]
+            self.C.p_end = NONE
+            self.C.c_ok_ns = now
             self._cons_pid = pid
+            self._cons_lost = None
         _roles[key] = weakref.ref(self)
 
+    cdef _claim_locked(self, str role, me):
+        """The claim itself, under the channel lock (see channel.pxd for the protocol)."""
+        r = self.region
+        prod = role == "producer"
+        cl = self._claim_off(role)
+        runs = self._runs_off(role)
+        c = _claim_words(r, cl)
+        cur = _run_words(r, runs, c["run"])
+        if not c["owner"]:
+            verdict = "free"
+        elif all(c[k] == me[k] for k in me):
+            verdict = "mine"
+        else:
+            verdict = self._judge(c)
+            if verdict == "alive":
+                raise self._busy(role, c)
+        epoch, run, src, hole = c["epoch"], c["run"], c["src"], False
+        new_run = False
+        if verdict in ("dead", "silent") or cur is None:
+            # A takeover: the epoch fences the old owner. Its run continues only when
+            # it certainly cannot write again and ran on our node (whose cache its
+            # dirty lines are in); else a new run starts on the next line.
+            epoch = c["epoch"] + 1
+            new_run = not (verdict == "dead" and c["node"] == r.node and cur is not None)
+            if new_run:
+                src = c["run"] if cur is not None else c["src"]
+                run = c["run"] + 1
+                hole = prod and verdict == "silent"
+                if prod and not self._history_ok(c, run):
+                    raise ChannelBusyError(
+                        f"channel {self.name!r}: the producer role cannot be taken over yet: "
+                        f"the consumer has not received past the messages of a producer run "
+                        f"{CXL_CHAN_RUNS} takeovers ago; retry once it has")
+        # Publish the claim, key last: identity, run, epoch; then persist. Everything
+        # below reads the old owner's counter only after this is visible.
+        r.flush(cl, 64)
+        for at, v in ((16, src), (24, me["owner"]), (32, me["incarnation"]), (40, me["start"]),
+                      (48, me["pidns"]), (56, me["boot"]), (8, run), (0, epoch)):
+            r.store64(cl + at, v)
+        r.persist(cl, 64)
+        _point("chan.claim")
+        if new_run:
+            old = _run_words(r, runs, src)
+            if old is None:
+                raise RegionError(f"channel {self.name!r}: the {role} run {src} this claim "
+                                  f"continues is not on its line (corrupt)")
+            seq = old["seq"]  # the old run's end for everyone (observed after our claim)
+            line = _line(runs, run)
+            r.flush(line, 64)
+            for at, v in ((0, seq), (16, seq), (24, src),
+                          (32, CXL_CHAN_RUN_HOLE if hole else 0), (40, epoch), (8, run)):
+                r.store64(line + at, v)
+            r.persist(line, 64)
+        else:
+            ln = _run_words(r, runs, run)
+            if ln is None:
+                raise RegionError(f"channel {self.name!r}: the {role} run {run} is not on "
+                                  "its line (corrupt)")
+            seq, line = ln["seq"], ln["line"]
+        # Still ours? A stall of ours inside this claim is caught here (or at our first
+        # publish, which checks the epoch again).
+        c2 = _claim_words(r, cl)
+        if c2["epoch"] != epoch or c2["owner"] != me["owner"]:
+            raise ChannelRoleLostError(
+                f"channel {self.name!r}: the {role} role was taken over by node "
+                f"{c2['node']} pid {c2['pid']} (epoch {c2['epoch']}) while this process was "
+                "silent inside its claim; nothing was sent or received")
+        info = {"epoch": epoch, "run": run, "seq": seq, "hole": hole, "line": line}
+        if not prod:
+            info["prun"], info["hole_at"] = self._locate(seq)
+        return info
+
     cdef _release(self, str role):
-        """Let go of `role` if this process holds it through us."""
-        cdef uint64_t line = self.C.prod if role == "producer" else self.C.cons
-        cdef uint32_t node = self.region.node
-        cdef uint64_t pid = os.getpid()
+        """Let go of `role` if this process holds it through us (and still in our epoch)."""
+        cdef uint64_t claim = self.C.pclaim if role == "producer" else self.C.cclaim
+        cdef uint64_t epoch = self.C.p_epoch if role == "producer" else self.C.c_epoch
+        cdef uint64_t owner = (<uint64_t>self.region.node + 1) | (<uint64_t>os.getpid() << 32)
         cdef int rc
         with self.region.lock(LOCK_NAME):  # no claim may run between our check and write
             with nogil:
-                rc = cxl_chan_release(&self.C, line, node, pid)
+                rc = cxl_chan_release(self.C.r, claim, epoch, owner)
+        self._drop(role)
+        return rc
+
+    def _drop(self, role):
+        """Forget that we hold `role` (released, or taken over)."""
         if role == "producer":
             self._prod_pid = 0
         else:
@@ -509,7 +1088,6 @@ cdef class Channel:
         ref = _roles.get(key)
         if ref is not None and ref() is self:
             del _roles[key]
-        return rc
 
     # --- errors --------------------------------------------------------------------
 
@@ -517,18 +1095,87 @@ cdef class Channel:
         """Turn a status into the matching exception."""
         where = f"channel {self.name!r} {op}"
         if rc == CXLRT_E_CHANCORRUPT:
-            v, at = self.C.bad_value, self.C.bad_off
-            if self.C.bad_kind == CXL_CHAN_BAD_LEN:
+            v, at, k = self.C.bad_value, self.C.bad_off, self.C.bad_kind
+            if k == CXL_CHAN_BAD_LEN:
                 what = (f"slot {(at - self.C.ring) // self.C.slot_bytes} holds a message "
                         f"length of {v} bytes, more than msg_bytes={self.C.msg_bytes}")
-            elif self.C.bad_kind == CXL_CHAN_BAD_TAIL:
+            elif k == CXL_CHAN_BAD_NUM:
+                what = (f"slot {(at - 8 - self.C.ring) // self.C.slot_bytes} holds message "
+                        f"number {v} where message {self.C.head} was published (overwritten "
+                        "by a producer that had lost its role, or corrupt)")
+            elif k == CXL_CHAN_BAD_TAIL:
                 what = (f"tail {v} is not within {self.C.slots} slots ahead of head "
                         f"{self.C.head}")
+            elif k == CXL_CHAN_BAD_RUN:
+                what = (f"the chain of role runs is broken at {v} (corrupt, or more than "
+                        f"{CXL_CHAN_RUNS} takeovers since this process last looked)")
             else:
                 what = f"head {v} is not between {self.C.seen_head} and tail {self.C.tail}"
             raise RegionError(f"{where}: {what} (corrupt word at offset {at:#x})")
         self.region._rc(rc, where, 0, 0)
         raise RegionError(f"{where}: status {rc}")
+
+    cdef _lost(self, str role, str op):
+        """Our role was taken over (CXLRT_E_CHANLOST). Return if this call's message
+        counts (it was published before the taker read our counter), else raise.
+
+        Either way the role is no longer ours, and the next call raises (once).
+        """
+        cdef bint prod = role == "producer"
+        cdef uint32_t phase = self.C.p_lost_phase if prod else self.C.c_lost_phase
+        cdef uint64_t published = self.C.tail if prod else self.C.head
+        cdef uint64_t myrun = self.C.p_run if prod else self.C.c_run
+        cdef uint64_t claim = self.C.pclaim if prod else self.C.cclaim
+        cdef uint64_t runs = self.C.pruns if prod else self.C.cruns
+        cdef uint64_t succ = 0, base = 0, flags = 0
+        cdef int rc
+        self._drop(role)
+        r = self.region
+        c = _claim_words(r, claim)
+        who = (f"node {c['node']} pid {c['pid']}" if c["owner"] else "another process")
+        head = (f"channel {self.name!r}: the {role} role was taken over by {who} (epoch "
+                f"{c['epoch']}) while this process was silent past the "
+                f"{r.lease_ms / 1000.0} s lease")
+        if self._live is not None and self._live.fenced:
+            head += f" (node {r.node} began another life meanwhile)"
+        done = "sent" if prod else "received"
+        if phase == 0:
+            raise ChannelRoleLostError(f"{head}; this {op} {done} nothing")
+        n = published - 1
+        unknown = ChannelRoleLostError(
+            f"{head}; whether message {n} counts is unknown (the new {role}'s claim could "
+            "not be read to the end)")
+        if c["run"] == myrun:
+            raise unknown
+        deadline = time.monotonic() + 2 * r.lease_ms / 1000.0 + 1
+        while True:
+            rc = _successor(&self.C, claim, runs, myrun, &succ, &base, &flags)
+            if rc == 0:
+                break
+            if rc != CXL_CHAN_AGAIN or time.monotonic() > deadline:
+                raise unknown
+            time.sleep(0.001)
+        if base >= published:
+            later = ChannelRoleLostError(
+                f"{head}; message {n} was {done} before that (this {op} returned it), later "
+                f"ones cannot be")
+            if prod:
+                self._prod_lost = later
+            else:
+                self._cons_lost = later
+            return
+        if prod:
+            raise ChannelRoleLostError(f"{head}; message {n} was not delivered (the new "
+                                       f"producer continues from message {base})")
+        raise ChannelRoleLostError(f"{head}; message {n} was not taken: the new consumer "
+                                   f"receives it")
+
+    def _taken_over(self, role):
+        """True if our claim of `role` no longer holds our epoch (observed now)."""
+        epoch = self.C.p_epoch if role == "producer" else self.C.c_epoch
+        if _skip_fencing:
+            return False
+        return _claim_words(self.region, self._claim_off(role))["epoch"] != epoch
 
     cdef _check_open(self):
         if self._closed:
@@ -568,6 +1215,15 @@ cdef class Channel:
             At most `msg_bytes` bytes (ValueError otherwise); copied out before return.
         timeout : float, optional
             Seconds to wait for room; None waits for ever. TimeoutError past it.
+
+        Raises
+        ------
+        ChannelBusyError
+            Another process holds the producer role and may be alive.
+        ChannelRoleLostError
+            This process's producer role was taken over while it was silent; the
+            message was not sent (the error says so when it was, and then the next
+            send raises instead).
         """
         cdef const unsigned char[::1] view
         cdef const char* p
@@ -596,6 +1252,9 @@ cdef class Channel:
                                "thread (a channel has one sending thread)")
         self._in_send = True  # set under the GIL before anything may release it
         try:
+            if unlikely(self._prod_lost is not None):
+                err, self._prod_lost = self._prod_lost, None
+                raise err
             if unlikely(self._prod_pid != cxl_pid()):
                 self._claim("producer")
             if n < _NOGIL_BYTES:
@@ -604,8 +1263,14 @@ cdef class Channel:
                 rc = CXL_CHAN_AGAIN
             if rc == CXL_CHAN_AGAIN:
                 rc = self._wait(True, p, n, deadline)
+            if unlikely(rc == CXLRT_E_CHANLOST):
+                self._lost("producer", "send")
+                return
         finally:
             self._in_send = False
+        if rc == CXLRT_E_CHANCORRUPT and self._taken_over("producer"):
+            self.C.p_lost_phase = 0
+            self._lost("producer", "send")  # a stale producer sees the new one's counters
         if rc == CXL_CHAN_AGAIN:
             raise TimeoutError(f"channel {self.name!r}: send timed out after {timeout} s with "
                                f"the ring full ({self.C.slots} messages unreceived); "
@@ -620,6 +1285,14 @@ cdef class Channel:
         ----------
         timeout : float, optional
             Seconds to wait; None waits for ever. TimeoutError past it.
+
+        Raises
+        ------
+        ChannelBusyError
+            Another process holds the consumer role and may be alive.
+        ChannelRoleLostError
+            This process's consumer role was taken over while it was silent; no
+            message was taken (the new consumer receives it).
         """
         out = self._recv(_deadline(timeout), True)
         if out is None:
@@ -642,6 +1315,9 @@ cdef class Channel:
                                "thread (a channel has one receiving thread)")
         self._in_recv = True  # set under the GIL before anything may release it
         try:
+            if unlikely(self._cons_lost is not None):
+                err, self._cons_lost = self._cons_lost, None
+                raise err
             if unlikely(self._cons_pid != cxl_pid()):
                 self._claim("consumer")
             rc = cxl_chan_peek(&self.C)
@@ -649,6 +1325,12 @@ cdef class Channel:
                 rc = self._wait(False, NULL, 0, deadline)
             if rc == CXL_CHAN_AGAIN:
                 return None
+            if rc == CXLRT_E_CHANCORRUPT and self._taken_over("consumer"):
+                rc = CXLRT_E_CHANLOST  # a stale consumer sees the new one's counters
+                self.C.c_lost_phase = 0
+            if unlikely(rc == CXLRT_E_CHANLOST):
+                self._lost("consumer", "recv")
+                return None  # not reached: nothing was taken, so _lost raised
             if rc != 0:
                 self._raise(rc, "recv")
             n = self.C.cur_len
@@ -664,26 +1346,57 @@ cdef class Channel:
                         rc = cxl_chan_take(&self.C, p)
                 finally:
                     reg._busy -= 1
+            if unlikely(rc == CXLRT_E_CHANLOST):
+                self._lost("consumer", "recv")  # returns only if the message is ours
+                return out
             if rc != 0:
                 self._raise(rc, "recv")
             return out
         finally:
             self._in_recv = False
 
+    def _counter(self, role):
+        """The current run's counter of `role`, as published (its source's while a
+        claim is being set up)."""
+        r = self.region
+        runs = self._runs_off(role)
+        c = _claim_words(r, self._claim_off(role))
+        ln = _run_words(r, runs, c["run"]) or _run_words(r, runs, c["src"])
+        if ln is None:
+            raise RegionError(f"channel {self.name!r}: the {role}'s run {c['run']} is not on "
+                              "its line (corrupt)")
+        return ln["seq"]
+
+    def _holes(self, uint64_t h, uint64_t t):
+        """Producer holes among message numbers h .. t - 1."""
+        r = self.region
+        c = _claim_words(r, self.C.pclaim)
+        cur, ln = c["run"], _run_words(r, self.C.pruns, c["run"])
+        if ln is None:
+            cur, ln = c["src"], _run_words(r, self.C.pruns, c["src"])
+        n = 0
+        for _ in range(CXL_CHAN_RUNS):
+            if ln is None or ln["base"] < h:
+                break
+            if ln["flags"] & CXL_CHAN_RUN_HOLE and ln["base"] < t:
+                n += 1
+            if ln["src"] >= cur:
+                break
+            cur, ln = ln["src"], _run_words(r, self.C.pruns, ln["src"])
+        return n
+
     def pending(self):
         """Messages sent but not yet received, as published (observes both counters)."""
         self._check_open()
-        r = self.region
-        r.flush(self.C.cons, 8)  # observe head, then tail, then head again:
-        h1 = r.load64(self.C.cons)  # h1 <= tail always, and a tail read later is
-        r.flush(self.C.prod, 8)  # within `slots` of any head read after it
-        t = r.load64(self.C.prod)
-        r.flush(self.C.cons, 8)
-        h2 = r.load64(self.C.cons)
+        h1 = self._counter("consumer")  # head, then tail, then head again: h1 <= tail
+        t = self._counter("producer")  # always, and a tail read later is within
+        h2 = self._counter("consumer")  # `slots` of any head read after it
         if h1 > t or h2 < h1 or (h2 <= t and t - h2 > self.C.slots):
             raise RegionError(f"channel {self.name!r}: counters are corrupt (tail {t}, "
                               f"head {h1} then {h2}, {self.C.slots} slots)")
-        return t - h2 if h2 <= t else 0
+        if h2 > t:
+            return 0
+        return t - h2 - self._holes(h2, t)
 
     def __len__(self):
         return self.pending()
@@ -704,7 +1417,7 @@ cdef class Channel:
             return
         # Another thread blocked in send()/recv() sees _closed within one 50 ms slice
         # and leaves; give the role up only after it has (else it could publish a
-        # counter on a line a new owner writes).
+        # counter after we let go).
         deadline = time.monotonic() + 5
         while (self._in_send or self._in_recv) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -720,14 +1433,16 @@ cdef class Channel:
 
     def __dealloc__(self):
         # Best effort and silent: an object dropped without close() gives its
-        # roles back only if this process still holds them through it.
+        # roles back only if this process still holds them through it, in its epoch.
         cdef int pid = cxl_pid()
-        if self._closed or self.region is None:
+        cdef uint64_t owner
+        if self._closed or self.region is None or self.region.closed:
             return
+        owner = (<uint64_t>self.region.node + 1) | (<uint64_t>pid << 32)
         if self._prod_pid == pid:
-            cxl_chan_release(&self.C, self.C.prod, self.region.node, <uint64_t>pid)
+            cxl_chan_release(self.C.r, self.C.pclaim, self.C.p_epoch, owner)
         if self._cons_pid == pid:
-            cxl_chan_release(&self.C, self.C.cons, self.region.node, <uint64_t>pid)
+            cxl_chan_release(self.C.r, self.C.cclaim, self.C.c_epoch, owner)
 
     def __enter__(self):
         return self
@@ -744,3 +1459,9 @@ def _test_skip_observe(bint on):
     """Negative control for the tests: observe() loads without flushing first."""
     global _skip_observe
     _skip_observe = on
+
+
+def _test_skip_fencing(bint on):
+    """Negative control for the tests: owners publish without checking their epoch."""
+    global _skip_fencing
+    _skip_fencing = on

@@ -50,9 +50,11 @@ POINTS = {
     "kv.evict.tombstone": "KV eviction or takeover: entry tombstoned, payload not yet freed or "
                           "quarantined",
     "kv.pin": "KV pin word raised, entry not yet re-checked",
-    "chan.claim": "channel role claim written, not yet confirmed",
-    "chan.send": "channel message copied, sequence not yet published",
-    "chan.recv": "channel message read, consumed sequence not yet published",
+    "chan.claim": "channel role claim published (epoch, run), the run not yet set up",
+    "chan.send": "channel message copied into its slot, tail not yet published",
+    "chan.send.post": "channel tail published, the producer's epoch not yet re-checked",
+    "chan.recv": "channel message read, head not yet published",
+    "chan.recv.post": "channel head published, the consumer's epoch not yet re-checked",
 }
 
 cdef int _armed = 0

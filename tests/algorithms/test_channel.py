@@ -22,6 +22,11 @@ def _pair(backend, name="ch", nodes=2, **kw):
     return a, b, Channel(a, name, **kw), Channel(b, name, **kw)
 
 
+# Layout version 2: the counters live on the role's run lines (run 0 first).
+PROD_RUN0 = 192
+CONS_RUN0 = 192 + 64 * channel_mod.RUNS
+
+
 def _close(*objs):
     for o in objs:
         o.close()
@@ -36,7 +41,7 @@ def _message(i: int, max_len: int) -> bytes:
 
 # --- basics ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("size", [0, 1, 55, 56, 57, 1024, 1025, 4096, 5000])
+@pytest.mark.parametrize("size", [0, 1, 47, 48, 49, 1024, 1025, 4096, 5000])
 def test_round_trip(backend, size):
     a, b, p, c = _pair(backend, slots=4, msg_bytes=5000)
     msg = bytes((i * 31 + size) & 0xFF for i in range(size))
@@ -148,7 +153,7 @@ def test_attach_with_other_geometry_names_the_difference(backend, slots, msg_byt
         Channel(b, "geo", slots=slots, msg_bytes=msg_bytes)
     same = Channel(b, "geo", slots=None, msg_bytes=None)  # None: whatever it has
     assert (same.slots, same.msg_bytes, same.offset) == (8, 128, first.offset)
-    assert same.slot_bytes == 192  # 8 + 128 rounded up to lines
+    assert same.slot_bytes == 192  # 16 + 128 rounded up to lines
     _close(first, same, a, b)
 
 
@@ -235,8 +240,8 @@ def test_fifo_across_processes_with_wraparound(backend):
     assert extra is None
     assert ch.pending() == 0
     # Both counters reached N on the medium itself (5000 / 8 slots: 625 laps).
-    assert backend.medium_word(ch.offset + 64) == N_FIFO
-    assert backend.medium_word(ch.offset + 128) == N_FIFO
+    assert backend.medium_word(ch.offset + PROD_RUN0) == N_FIFO
+    assert backend.medium_word(ch.offset + CONS_RUN0) == N_FIFO
     assert ch.owner("producer") is None and ch.owner("consumer") is None  # both closed
     if backend.faulty:
         assert prod["evictions"] + cstats["evictions"] > 0  # faults were really injected
@@ -378,7 +383,7 @@ def test_corrupt_counter_is_a_region_error(backend, word, value):
     for _ in range(4):
         p.send(b"m")
     c.recv(timeout=5)
-    at = p.offset + (64 if word == "tail" else 128)
+    at = p.offset + (PROD_RUN0 if word == "tail" else CONS_RUN0)
     a.dma_write(at, value.to_bytes(8, "little"))
     with pytest.raises(cxlrt.RegionError, match="corrupt"):
         if word == "tail":
@@ -411,6 +416,29 @@ def test_corrupt_header_and_foreign_object(backend):
     _close(ch, a)
 
 
+def test_layout_version_1_channel_is_refused_clearly(backend):
+    a = backend.create(nodes=1)
+    ch = Channel(a, "old", slots=2, msg_bytes=8)
+    a.dma_write(ch.offset, b"CXLCHAN1")  # the magic of the layout before issue 9
+    with pytest.raises(cxlrt.RegionError, match="layout-version 1 channel"):
+        Channel(a, "old", slots=None, msg_bytes=None)
+    _close(ch, a)
+
+
+def test_slot_with_another_message_number_is_a_region_error(backend):
+    """What a producer that lost its role would leave if it wrote after its quarantine."""
+    a, b, p, c = _pair(backend, slots=4, msg_bytes=100)
+    p.send(b"good")
+    a.dma_write(p.ring_offset + 8, (4).to_bytes(8, "little"))  # slot 0 claims message 4
+    with pytest.raises(cxlrt.RegionError, match="slot 0 holds message number 4 where "
+                                                "message 0 was published"):
+        c.recv(timeout=5)
+    assert len(c) == 1  # nothing was consumed
+    a.dma_write(p.ring_offset + 8, (0).to_bytes(8, "little"))
+    assert c.recv(timeout=5) == b"good"
+    _close(p, c, a, b)
+
+
 # --- negative control -------------------------------------------------------------------------
 
 def test_skipping_the_observe_flush_breaks_delivery(backend, emu_only):
@@ -434,14 +462,14 @@ def test_close_leaves_a_role_someone_else_took_over_alone(backend):
     ch = Channel(r0, "taken", slots=4, msg_bytes=32)
     ch.send(b"mine")
     r1 = backend.open(1)
-    line = ch.offset + 64  # the producer line: as node 1 writes it when it takes over
-    r1.flush(line, 64)
-    r1.store64(line + 8, 2)
-    r1.store64(line + 16, 424242)
-    r1.persist(line, 64)
+    claim = ch.offset + 64  # the producer claim line, as node 1 writes it when it takes over
+    r1.flush(claim, 64)
+    r1.store64(claim + 24, 2 | 424242 << 32)  # owner: node 1, pid 424242
+    r1.store64(claim, 1)  # epoch 1
+    r1.persist(claim, 64)
     ch.close()
     owner = Channel(r0, "taken", slots=4, msg_bytes=32).owner("producer")
-    assert (owner["node"], owner["pid"]) == (1, 424242)
+    assert (owner["node"], owner["pid"], owner["epoch"]) == (1, 424242, 1)
     r1.close()
     r0.close()
 

@@ -5,7 +5,7 @@ Open a region with :func:`cxlrt.open`; see README.md for the memory model.
 
 from cxlrt.api import format, inspect, open
 from cxlrt.caps import Caps
-from cxlrt.channel import Channel, ChannelBusyError
+from cxlrt.channel import Channel, ChannelBusyError, ChannelRoleLostError
 from cxlrt.errors import (
     ChecksumError,
     CoherenceError,
@@ -30,7 +30,7 @@ from cxlrt.spec import parse_size, parse_spec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "Channel", "ChannelBusyError", "ChecksumError", "ClaimLost", "CoherenceError",
+    "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost", "CoherenceError",
     "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError", "LeaseLost",
     "LockTimeout", "NodeRangeError", "NotARegionError",
     "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",

@@ -74,6 +74,7 @@ cdef class Liveness:
     cdef object _sweep_owner         # keeps sweep_ctx's memory alive while installed
     cdef unsigned long _thread       # pthread_t of the beat thread, 0 none
     cdef int _owner_pid              # the process that started it (fork safety)
+    cdef double _patience            # seconds an attach may watch an earlier life
     cdef bint _closed
 
     cdef cxl_live* ctx(self) noexcept

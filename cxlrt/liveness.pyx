@@ -36,6 +36,10 @@ cdef enum:
     AREA_WALL = 56
     SLEEP_SLICE_NS = 5000000   # close() waits at most this long for the beat thread
 
+# How long an open may watch an earlier life of its node before taking it over,
+# unless the caller's `wait` is longer (the default lease, 2 s, fits).
+TAKEOVER_WAIT_S = 3.0
+
 STATE_NAMES = {CXL_LIVE_NEVER: "never attached", CXL_LIVE_ALIVE: "alive",
                CXL_LIVE_DETACHED: "detached", CXL_LIVE_DEAD: "dead"}
 
@@ -246,8 +250,9 @@ cdef class Liveness:
     processes share a counter and a process table in the node-local file.
     """
 
-    def __init__(self, region):
+    def __init__(self, region, double patience=0.0):
         self.region = region
+        self._patience = max(patience, TAKEOVER_WAIT_S)
         self._closed = False
         self._thread = 0
         self.record = -1
@@ -332,7 +337,15 @@ cdef class Liveness:
         """Take the node over only once its recorded life is silent for a lease."""
         r = self.region
         lease = self.V.lease_ns / 1e9
-        deadline = time.monotonic() + lease + 2 * self.V.period_ns / 1e9
+        need = lease + 2 * self.V.period_ns / 1e9
+        if need > self._patience:
+            # Never block an open for a lease longer than the caller agreed to wait.
+            raise RegionError(
+                f"{r.spec}: node {r.node} is recorded as attached by an earlier life (host "
+                f"{host:016x}, life {inc}); taking it over means watching it stay silent for "
+                f"the {lease:g} s lease. Pass wait={need:.1f} (or more) to cxlrt.open, or "
+                "use another node id.")
+        deadline = time.monotonic() + need
         while time.monotonic() < deadline:
             time.sleep(self.V.period_ns / 1e9 / 2)
             b, state, i = self._area()[:3]

@@ -89,19 +89,19 @@ cdef class Region:
                               f"formatted for {info['nodes']}")
         _sb.check_node(self.r.node, info["nodes"], self.spec)
         self.backend.bind(info["nodes"], info["uuid"], False)
-        self._adopt(info, announce=not observer)
+        self._adopt(info, announce=not observer, patience=wait)
 
     def _read_superblock(self):
         return _sb.unpack(self.dma_read(0, _sb.SB_BYTES), self.r.size, self.spec)
 
-    def _adopt(self, info, bint announce=True):
+    def _adopt(self, info, bint announce=True, double patience=0.0):
         self.nodes = info["nodes"]
         self.uuid = info["uuid"]
         self.lease_ms = info["lease_ms"]
         self.sections = dict(info["sections"])
         if announce:
             from cxlrt.liveness import Liveness
-            self._live = Liveness(self)
+            self._live = Liveness(self, patience)
 
     @property
     def liveness(self):

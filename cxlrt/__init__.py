@@ -30,9 +30,9 @@ from cxlrt.spec import parse_size, parse_spec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost", "CoherenceError",
-    "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError", "LeaseLost",
-    "LockTimeout", "NodeRangeError", "NotARegionError",
+    "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost",
+    "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError",
+    "LeaseLost", "LockTimeout", "NodeRangeError", "NotARegionError",
     "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
     "RegionSizeError", "SchemeMismatchError", "UnsupportedError", "block_hashes", "format",
     "inspect", "open", "parse_size", "parse_spec",

@@ -87,6 +87,7 @@ KV_TOKENS = 36            # 9 keys: 5 stored in the seed, 4 more stored by each 
 CHAN_NAME = "fuzz"
 CHAN_SLOTS = 4
 CHAN_MSG = 100
+LEASE_MAX_MS = 1000         # leases the fuzzer writes stay under the watchdog (see mutate)
 GUARD_TIMEOUT_S = 0.02    # how long the lock guard waits for a lock before calling it wedged
 OP_TIMEOUT_S = 0.01       # recv/send timeouts inside an image
 STARTUP_S = 120.0         # a worker that does not start within this is a broken harness
@@ -433,6 +434,10 @@ def new_mutations(rng: random.Random, seed: Seed, count: int) -> list:
         else:
             old = int.from_bytes(image[off:off + width], "little")
             value = _interesting(rng, old, width, seed)
+        if label == "sb.lease_ms" and value > LEASE_MAX_MS:
+            # A longer lease is a valid configuration whose liveness waits (watching a
+            # silent node for a lease) outlast the watchdog by design: not a hang.
+            value = 1 + value % LEASE_MAX_MS
         muts.append(["w", off, width, value, label])
         if group == "kv" and label.startswith("kv.entry@"):
             # Mostly with a valid check word: without one, every reader of the slot

@@ -75,21 +75,10 @@ BACKENDS = {
     "emu-faulty": "emu:{path}?seed={seed}&evict=0.05&delay=1&check=1",
 }
 
-_TICKET = ("not reached on coherent memory: the bakery's direct path (_bakery_direct, taken "
-           "when the mapping is direct and needs no flushes, as file: is) publishes the ticket "
-           "and goes to _bakery_wait without passing the point (lock.pyx)")
-
 # Cases that fail because of a bug in the code under test, not in the harness:
 # (point, mode, backend pattern) -> what goes wrong. They stay in the matrix and
 # show as "known" (or "xpass" when they pass) without failing the run.
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("lock.acquire.ticket", "kill", "file"): _TICKET,
-    ("lock.acquire.ticket", "stop", "file"): _TICKET,
-    ("lock.release.before", "stop", "*"): (
-        "Lock.release() judges the silence (cxl_live_silent_since) before it calls "
-        "cxl_lock_release, which holds the point: a holder stalled there past its lease "
-        "returns normally, not LeaseLost, though others held the lock meanwhile "
-        "(lock.pyx)"),
     ("lock.mgr.grant", "stop", "*"): (
         "a manager stopped between its epoch check and its grant store (_mgr_publish) "
         "writes one stale grant word when it resumes: on emu the checker refuses it "

@@ -39,6 +39,9 @@ cdef enum:
 # How long an open may watch an earlier life of its node before taking it over,
 # unless the caller's `wait` is longer (the default lease, 2 s, fits).
 TAKEOVER_WAIT_S = 3.0
+# How long `cxlrt check` (survey) watches counters at most: a longer lease reports
+# still nodes as "silent", not "dead".
+SURVEY_MAX_S = 3.0
 
 STATE_NAMES = {CXL_LIVE_NEVER: "never attached", CXL_LIVE_ALIVE: "alive",
                CXL_LIVE_DETACHED: "detached", CXL_LIVE_DEAD: "dead"}
@@ -442,8 +445,9 @@ def survey(region, double window=-1.0):
     An attached node whose counter does not move during the window is dead. The
     wall-clock age is for people only.
     """
+    lease = region.lease_ms / 1000.0
     if window < 0:
-        window = region.lease_ms / 1000.0
+        window = min(lease, SURVEY_MAX_S)
     base = region.sections["nodes"][0]
 
     def snap():
@@ -474,7 +478,8 @@ def survey(region, double window=-1.0):
         elif st == CXL_NODE_DETACHED:
             state = "detached"
         elif st == CXL_NODE_ATTACHED:
-            state = "alive" if n in moved else "dead"
+            # Dead only after a whole lease of stillness; a shorter look says "silent".
+            state = "alive" if n in moved else ("dead" if window >= lease else "silent")
         else:
             state = f"corrupt state {st}"
         out.append({"node": n, "state": state, "beat": beat, "incarnation": inc,

@@ -138,6 +138,8 @@ cdef inline int _bakery_direct(cxl_lockctx* L, uint32_t id) noexcept nogil:
     cxl_fence_release()  # the ticket before choosing drops (TSO keeps store order)
     cxl_store64_volatile(me, 0)
     cxl_fence_sc()  # our ticket before we read the others' (store -> load)
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"lock.acquire.ticket")
     for j in range(L.nodes):
         if j == L.node:
             continue
@@ -919,11 +921,12 @@ cdef class Lock:
         if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is not held by this thread")
         with nogil:
-            # Judged before we publish the release: a gap that is still open now
-            # (we just resumed) is visible to our own clock even if the beat thread
-            # has not run since.
+            # Judged before and after we publish the release: a gap that is still
+            # open (we just resumed) is visible to our own clock even if the beat
+            # thread has not run since, and a stall inside the release counts too.
             silent = cxl_live_silent_since(self.svc.L.live, self._t0)
             rc = cxl_lock_release(&self.svc.L, self.index, self._mode)
+            silent = silent or cxl_live_silent_since(self.svc.L.live, self._t0)
         if rc != CXLRT_E_FENCED:
             _rc(rc, f"release {self.name!r}")
         if silent or rc == CXLRT_E_FENCED:

@@ -166,20 +166,28 @@ def test_holder_killed_is_recovered_within_the_bound(backend, mode, case):
 @pytest.mark.crash
 @pytest.mark.parametrize("mode", MODES)
 def test_node_restarted_elsewhere_withdraws_its_old_ticket(backend, mode):
-    """The holder's host is gone (node-local file lost); a new process takes the node
-    id on another host before the lease runs out: it must clear the old hold."""
+    """The holder's host is gone (node-local file lost) and a new process takes the node
+    id on another host. It cannot know the old host is gone before the old life has
+    been silent for a lease, so it watches for that long (an open that may not wait so
+    long is refused, saying how), then clears the old hold at once: waiters do not
+    wait for the lease a second time."""
     from cxlrt.nodelocal import local_path
-    r0 = backend.create(nodes=3, lease=30.0, lock_manager=(mode == "manager"))
+    lease = 3.5  # longer than an open watches by default (3 s)
+    r0 = backend.create(nodes=3, lease=lease, lock_manager=(mode == "manager"))
     r0.lock("crash", mode=mode)
     p = _CTX.Process(target=_hold_and_die, args=(backend.spec(), 1, mode))
     p.start()
     p.join()
     os.unlink(local_path(r0.uuid, 1))  # "another host": no node-local state survives
-    reborn = cxlrt.open(backend.spec(), node=1)
-    reborn.locks  # noqa: B018  (first attach of the new incarnation)
+    with pytest.raises(cxlrt.RegionError, match="wait="):
+        cxlrt.open(backend.spec(), node=1)
+    t0 = time.monotonic()
+    reborn = cxlrt.open(backend.spec(), node=1, wait=lease + 2)
+    assert lease * 0.9 < time.monotonic() - t0 < lease + 2
+    assert reborn.liveness.incarnation == 2
     (ok, waited, _), = raise_failures(
         run_procs(_acquire_after, [(backend.spec(), 2, mode, 10.0)]))
-    assert ok and waited < 5.0, waited  # far inside the 30 s lease: cleared, not expired
+    assert ok and waited < 2.0, waited  # cleared by the new life, not expired again
     reborn.close()
     r0.close()
 

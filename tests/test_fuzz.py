@@ -17,7 +17,9 @@ import pytest
 from cxlrt import fuzz
 from cxlrt import superblock as sb
 
-CI_IMAGES = int(os.environ.get("CXLRT_FUZZ_IMAGES", "20000"))
+# Images of the CI run. Liveness waits (an open or `check` watching a dead node's
+# counter for up to a lease) cut the rate to ~10-20 images/s here: see issue 9's note.
+CI_IMAGES = int(os.environ.get("CXLRT_FUZZ_IMAGES", "3000"))
 CI_SEED = 20260509
 
 
@@ -83,7 +85,7 @@ def test_harness_reports_a_crash_with_a_replayable_case_and_a_hang(out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_ci_sized_run_has_no_crash_and_no_hang(out_dir):
     fz = fuzz.Fuzzer(str(out_dir), seed=CI_SEED, jobs=2, progress=False)
     rep = fz.run(CI_IMAGES)

@@ -81,6 +81,17 @@ def _overlap_worker(spec, node, name, tag, seconds, barrier):
 
 # --- 3. a stalled holder is told, every time ----------------------------------------------
 
+def _release_and_close(r, lock):
+    """'released', or 'LeaseLost' when the release reported a silence past the lease."""
+    try:
+        lock.release()
+        out = "released"
+    except LeaseLost:
+        out = "LeaseLost"
+    r.close()
+    return out
+
+
 def _report(q, fn, *args):
     q.put(fn(*args))
 
@@ -95,13 +106,7 @@ def _hold_then_release(spec, node, mode, ready, go, when):
         lock.acquire()
         ready.set()
     go.wait()
-    try:
-        lock.release()
-        out = "released"
-    except LeaseLost:
-        out = "LeaseLost"
-    r.close()
-    return out
+    return _release_and_close(r, lock)
 
 
 @pytest.mark.crash
@@ -227,13 +232,7 @@ def _owner_holds(spec, q, holding, done):
     lock.acquire()
     holding.set()
     done.wait()
-    try:
-        lock.release()
-        out = "released"
-    except LeaseLost:
-        out = "LeaseLost"
-    r.close()
-    return out
+    return _release_and_close(r, lock)
 
 
 @pytest.mark.crash

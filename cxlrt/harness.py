@@ -79,12 +79,6 @@ BACKENDS = {
 # (point, mode, backend pattern) -> what goes wrong. They stay in the matrix and
 # show as "known" (or "xpass" when they pass) without failing the run.
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("lock.mgr.grant", "stop", "*"): (
-        "a manager stopped between its epoch check and its grant store (_mgr_publish) "
-        "writes one stale grant word when it resumes: on emu the checker refuses it "
-        "(store-to-stale) and the manager exits with 'status -1002', not 'superseded'; on "
-        "coherent memory the word lands, and the new manager re-issues a grant it did not "
-        "write if that request is still outstanding (lock.pyx)"),
     ("free.remote", "stop", "*"): (
         "a remote freer stalled past its lease holding the allocator lock resumes and "
         "publishes the owner's queue line from values read before the stall (_free_remote "
@@ -727,6 +721,8 @@ def _standby(ctx: Ctx, r: cxlrt.Region, done: threading.Event) -> None:
     while not done.wait(0.02):
         try:
             if r.locks.mgr_epoch:
+                if r.locks.mgr_exit is not None:
+                    ctx.record("manager-exit", why=r.locks.mgr_exit)
                 continue  # we are the manager
             info = r.locks.manager_info()
             if info is None or not info["running"]:

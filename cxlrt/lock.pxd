@@ -12,9 +12,12 @@
 #    through the robust mutex (the heartbeat's sweep, an acquire, or a detach).
 #  - Manager mode is fenced by epochs: the claim line names the manager and its
 #    epoch and is written only under lock 0 by a takeover; a grant word carries
-#    the epoch's low 16 bits and a waiter accepts a grant only if the claim still
-#    carries that epoch after it saw the grant. A manager re-checks its epoch
-#    before every grant and stops for good once superseded.
+#    the epoch's low 16 bits. A waiter publishes the grant it accepts on its own
+#    line (+40), then holds only if the claim still carries that epoch. A manager
+#    re-checks its epoch before every grant and stops for good once superseded.
+#    A new manager learns who may hold from those accepted words, never from the
+#    grant word (a superseded manager can still overwrite it once), and restores
+#    its own grant word if a stale one lands over it.
 #  - A holder learns at release (LeaseLost) that it was silent past the lease at
 #    any time since it began to acquire; Lock.check() asks the same mid-hold.
 from libc.stdint cimport uint32_t, uint64_t

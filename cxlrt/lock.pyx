@@ -12,8 +12,9 @@ import threading
 import time
 
 from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memset
 
-from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, cxl_flush, cxl_load, cxl_load64,
+from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, CXLRT_E_COHERENCE, cxl_flush, cxl_load, cxl_load64,
                             cxl_persist, cxl_publish, cxl_region, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
@@ -39,6 +40,8 @@ cdef enum:
 # A grant word: (node + 1) << 56 | (manager epoch & 0xFFFF) << 40 | (request & SEQ).
 cdef uint64_t GRANT_SEQ_MASK = (<uint64_t>1 << 40) - 1
 cdef uint64_t GRANT_EPOCH_MASK = 0xFFFF
+# A waiter's accepted word (its line, +40): the grant it took, less the node byte.
+cdef uint64_t ACCEPT_MASK = (<uint64_t>1 << 56) - 1
 
 cdef int* _armed = cxl_crash_armed_ptr()
 
@@ -79,14 +82,6 @@ cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexc
     cdef int rc = cxl_flush(r, off, 8)
     if rc == 0:
         rc = cxl_load64(r, off, v)
-    return rc
-
-
-cdef inline int _observe2(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
-    """Observe two words of one line as one snapshot (one fill, not two loads)."""
-    cdef int rc = cxl_flush(r, off, 16)
-    if rc == 0:
-        rc = cxl_load(r, off, v, 16)
     return rc
 
 
@@ -297,9 +292,15 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
         if rc != 0:
             break
         if (gw & ~(GRANT_EPOCH_MASK << 40)) == want:
-            # Fencing: the claim is observed AFTER the grant, so a grant written by a
-            # manager superseded before we looked carries an epoch we now reject.
-            rc = _claim_epoch(L, &ep)
+            # Fencing, Dekker-style against a takeover (claim store, then a scan of
+            # the accepted words): we publish what we accept BEFORE we look at the
+            # claim, so either the new manager sees our acceptance and adopts our
+            # hold, or we see its epoch and refuse a predecessor's grant.
+            rc = cxl_store64(r, me + 40, gw & ACCEPT_MASK)
+            if rc == 0:
+                rc = cxl_persist(r, me, 64)
+            if rc == 0:
+                rc = _claim_epoch(L, &ep)
             if rc != 0:
                 break
             if ((gw >> 40) & GRANT_EPOCH_MASK) == (ep & GRANT_EPOCH_MASK):
@@ -327,7 +328,10 @@ cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
 
 ctypedef struct cxl_mgr_lock:
     uint32_t last             # node granted last (round robin starts after it)
-    uint64_t wrote            # grant word we last published, 0 = none yet (adopt)
+    uint32_t held             # node our grant names, + 1 (0: no grant of ours stands)
+    uint64_t wrote            # grant word we last published
+    uint64_t seq              # the request our grant answers
+    int adopted               # the takeover scan of this lock is done
 
 
 cdef int _mgr_publish(cxl_lockctx* L, uint32_t id, uint64_t epoch, uint64_t w,
@@ -342,45 +346,91 @@ cdef int _mgr_publish(cxl_lockctx* L, uint32_t id, uint64_t epoch, uint64_t w,
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.mgr.grant")
     rc = cxl_store64(L.r, _grant(L, id), w)
+    if rc == CXLRT_E_COHERENCE and _claim_epoch(L, &ep) == 0 and ep == epoch:
+        # A superseded manager's one late store made our copy of the line stale (the
+        # emulation refuses a store over it): observe, then store again.
+        rc = _observe64(L.r, _grant(L, id), &ep)
+        if rc == 0:
+            rc = cxl_store64(L.r, _grant(L, id), w)
     if rc == 0:
         rc = cxl_persist(L.r, _grant(L, id), 64)  # the grant: one word, one writer an epoch
+    if rc != 0 and _claim_epoch(L, &ep) == 0 and ep != epoch:
+        # We were stopped between the check and the store and superseded meanwhile; the
+        # emulation refuses our store over a line the new manager wrote: fenced.
+        return CXLRT_E_FENCED
     st.wrote = w
+    st.held = (w >> 56) & 0xFF
+    st.seq = w & GRANT_SEQ_MASK
     return rc
 
 
-cdef int _mgr_outstanding(cxl_lockctx* L, uint32_t id, uint32_t j, uint64_t* req) noexcept nogil:
-    """1 if node j has a request in flight (req > rel) and counts (alive); its number."""
-    cdef uint64_t v[2]
-    if _observe2(L.r, _line(L, id, j) + 16, v) != 0:  # (req_seq, rel_seq) of node j
+cdef int _mgr_line(cxl_lockctx* L, uint32_t id, uint32_t j, uint64_t* v) noexcept nogil:
+    """Node j's (req, rel, acquisitions, accepted) as one snapshot; 1 if a request of a
+    live node is in flight (req > rel)."""
+    cdef uint64_t off = _line(L, id, j) + 16
+    if cxl_flush(L.r, off, 32) != 0 or cxl_load(L.r, off, v, 32) != 0:
         return 0
-    req[0] = v[0]
     return 1 if v[0] > v[1] and not cxl_node_dead(L, j) else 0
 
 
+cdef int _mgr_grant(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st,
+                    uint32_t j, uint64_t req) noexcept nogil:
+    st.last = j
+    return _mgr_publish(L, id, epoch, _grant_word(j, epoch, req), st)
+
+
+cdef int _mgr_adopt(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st) noexcept nogil:
+    """Takeover: find the node that may hold the lock by the waiters' own accepted words,
+    never by the grant word, which a superseded manager may still overwrite.
+
+    A hold is an in-flight request whose accepted word names that request. Among such
+    words, the newest epoch wins: a manager grants only after its own adoption scan,
+    which (the waiter's Dekker order) saw every older acceptance that became a hold, so
+    an older acceptance it did not adopt was refused by its waiter.
+    """
+    cdef uint64_t v[4]
+    cdef uint64_t age, best = GRANT_EPOCH_MASK + 1, req = 0
+    cdef uint32_t j, who = 0
+    for j in range(L.nodes):
+        if _mgr_line(L, id, j, v) and v[3] != 0 and (v[3] & GRANT_SEQ_MASK) == (v[0] & GRANT_SEQ_MASK):
+            age = (epoch - (v[3] >> 40)) & GRANT_EPOCH_MASK
+            if age < best:
+                best, who, req = age, j + 1, v[0]
+    st.adopted = 1
+    if who:
+        # Re-issued in our epoch: a holder goes on; a waiter that refused it accepts now.
+        return _mgr_grant(L, id, epoch, st, who - 1, req)
+    return 0
+
+
 cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st) noexcept nogil:
-    """One manager pass over lock `id`: detect release or death, grant round-robin."""
-    cdef const cxl_region* r = L.r
-    cdef uint64_t gw = 0, gn, req = 0
+    """One manager pass over lock `id`: detect release or death, grant round-robin.
+
+    Who holds is decided from our own last grant and the holder's line; the grant word
+    is only re-read to restore it if a superseded manager overwrote it.
+    """
+    cdef uint64_t v[4]
+    cdef uint64_t gw = 0
     cdef uint32_t d, j
-    cdef int rc = _observe64(r, _grant(L, id), &gw)
+    # Observed every pass, also to keep our copy of the line fresh for the store.
+    cdef int rc = _observe64(L.r, _grant(L, id), &gw)
     if rc != 0:
         return rc
-    gn = gw >> 56
-    if gn != 0 and gn <= L.nodes:
-        j = <uint32_t>(gn - 1)
-        if _mgr_outstanding(L, id, j, &req) and (req & GRANT_SEQ_MASK) == (gw & GRANT_SEQ_MASK):
-            # Still held (or not yet taken). A word we did not write (a superseded
-            # manager's, or our predecessor's at takeover) is re-issued in our epoch.
+    if not st.adopted:
+        rc = _mgr_adopt(L, id, epoch, st)
+        if rc != 0 or st.held:
+            return rc
+    if st.held:
+        j = st.held - 1
+        if _mgr_line(L, id, j, v) and (v[0] & GRANT_SEQ_MASK) == st.seq:
             if gw != st.wrote:
-                return _mgr_publish(L, id, epoch, _grant_word(j, epoch, req), st)
-            return 0
-        st.last = j
+                rc = _mgr_publish(L, id, epoch, st.wrote, st)
+            return rc
     for d in range(1, L.nodes + 1):
         j = (st.last + d) % L.nodes
-        if _mgr_outstanding(L, id, j, &req):
-            st.last = j
-            return _mgr_publish(L, id, epoch, _grant_word(j, epoch, req), st)
-    if gn != 0:
+        if _mgr_line(L, id, j, v):
+            return _mgr_grant(L, id, epoch, st, j, v[0])
+    if st.held or st.wrote:
         return _mgr_publish(L, id, epoch, 0, st)
     return 0
 
@@ -787,9 +837,7 @@ cdef class LockService:
         cdef uint32_t n = 0, k
         cdef int rc = 0
         cdef uint64_t until
-        for k in range(64):
-            st[k].last = 0
-            st[k].wrote = 0
+        memset(st, 0, sizeof(st))
         # The pass sleeps ~20 us; the default 50 us timer slack would stretch it.
         cxl_set_timerslack_1ns()
         while not self._stop.is_set():

@@ -302,6 +302,81 @@ def test_a_superseded_manager_resumes_and_stays_out(backend, reaper):
     r1.close()
 
 
+def _manager_stopping_at_grant(spec, ready, out):
+    from cxlrt import crash
+    crash.arm("lock.mgr.grant", "stop", 1)  # stops itself before its first grant store
+    r = cxlrt.open(spec, node=0, lock_manager=True)
+    ready.set()
+    while crash.hits() < 1:
+        time.sleep(0.01)
+    time.sleep(4 * LEASE)  # resumed: its stale grant store has happened by now
+    out.put(r.locks.mgr_exit)
+    r.close()
+
+
+def _tagged_hold(spec, node, tag, hold, asking, held, out):
+    """Take lock "m" once, stamp our tag, hold; report whether the tag survived."""
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("m")
+    off = r.heap[0]
+    asking.set()
+    assert lock.acquire(timeout=60)
+    r.flush(off, 8)
+    r.store64(off, tag)
+    r.persist(off, 8)
+    held.set()
+    end = time.monotonic() + hold
+    seen = tag
+    while time.monotonic() < end and seen == tag:
+        time.sleep(0.005)
+        r.flush(off, 8)
+        seen = r.load64(off)
+    lock.release()
+    out.put((tag, seen))
+    r.close()
+
+
+@pytest.mark.crash
+def test_a_manager_stopped_before_its_grant_store_never_grants_a_second_holder(backend, reaper):
+    """Manager M1 decides to grant node 3 and stops just before the store. M2 takes
+    over and grants node 2, which holds. M1 resumes and its one store lands (coherent
+    memory) or is refused (the emulation): node 3 must not hold while node 2 does,
+    and M1 must find itself superseded. The first design re-issued that stale word."""
+    r1 = backend.create(nodes=4, node=1, lease=LEASE)
+    r1.lock("m", mode="manager")
+    ready, out = _CTX.Event(), _CTX.Queue()
+    old = _CTX.Process(target=_manager_stopping_at_grant, args=(backend.spec(), ready, out))
+    old.start()
+    reaper(old)
+    assert ready.wait(30)
+    ev = {k: _CTX.Event() for k in ("a_ask", "a_held", "b_ask", "b_held")}
+    held = _CTX.Queue()
+    b = _CTX.Process(target=_tagged_hold, args=(backend.spec(), 3, 3, 0.2, ev["b_ask"],
+                                                ev["b_held"], held))
+    b.start()
+    reaper(b)
+    deadline = time.monotonic() + 30
+    while not _stopped(old.pid):  # M1 stopped itself about to grant node 3
+        assert time.monotonic() < deadline, "the manager never reached its grant"
+        time.sleep(0.01)
+    a = _CTX.Process(target=_tagged_hold, args=(backend.spec(), 2, 2, 6 * LEASE, ev["a_ask"],
+                                                ev["a_held"], held))
+    a.start()
+    reaper(a)
+    assert ev["a_ask"].wait(30)
+    time.sleep(3 * LEASE)  # node 2 is asking, and M1 silent past its lease
+    r1.start_lock_manager()
+    assert ev["a_held"].wait(30), "the new manager never granted node 2"
+    assert not ev["b_held"].is_set()
+    os.kill(old.pid, signal.SIGCONT)
+    results = dict(held.get(timeout=60) for _ in range(2))
+    assert results[2] == 2, f"node 3 held the lock while node 2 did ({results})"
+    assert "superseded" in (out.get(timeout=30) or ""), "the old manager did not stop"
+    for p in (a, b, old):
+        p.join(10)
+    r1.close()
+
+
 # --- two hosts attaching as one node -----------------------------------------------------
 
 def _attach_elsewhere(spec, node, local_dir):

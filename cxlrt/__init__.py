@@ -23,7 +23,7 @@ from cxlrt.errors import (
 )
 from cxlrt.hashing import block_hashes
 from cxlrt.kvcache import ClaimLost, Hit, KVCache, SchemeMismatchError
-from cxlrt.lock import LeaseLost, LockTimeout
+from cxlrt.lock import LeaseLost, LockTimeout, NoLockManager
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost",
     "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError",
-    "LeaseLost", "LockTimeout", "NodeRangeError", "NotARegionError",
+    "LeaseLost", "LockTimeout", "NoLockManager", "NodeRangeError", "NotARegionError",
     "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
     "RegionSizeError", "SchemeMismatchError", "UnsupportedError", "block_hashes", "format",
     "inspect", "open", "parse_size", "parse_spec",

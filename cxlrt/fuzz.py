@@ -80,14 +80,21 @@ from typing import Any
 
 NODES = 3
 EXTRA_CHUNKS = 6          # heap chunks beyond the minimum region's, for the seed's objects
-LEASE_S = 0.25            # the seed's nodes are dead (silent past the lease) when fuzzing starts
+# The seed's nodes are dead (silent past the lease) when fuzzing starts. Short, so that
+# the liveness waits of an image (a takeover at open, the survey of `check`) cost
+# milliseconds: at 0.25 s they were most of an image's time (issue 9's note).
+LEASE_S = 0.02
 KV_NAME = "fuzz"
 KV_ARGS = {"block_bytes": 192, "capacity_blocks": 8, "block_tokens": 4, "salt": b"fuzz"}
 KV_TOKENS = 36            # 9 keys: 5 stored in the seed, 4 more stored by each image
 CHAN_NAME = "fuzz"
 CHAN_SLOTS = 4
 CHAN_MSG = 100
-LEASE_MAX_MS = 1000         # leases the fuzzer writes stay under the watchdog (see mutate)
+LEASE_MAX_MS = 100        # leases the fuzzer writes stay short too (see new_mutations)
+# A manager-mode lock with no manager (the seed's manager is dead, or a mutated mode)
+# raises NoLockManager after this; the library's 3 s would let two such operations
+# overrun the per-image watchdog.
+MANAGER_WAIT_S = 0.2
 GUARD_TIMEOUT_S = 0.02    # how long the lock guard waits for a lock before calling it wedged
 OP_TIMEOUT_S = 0.01       # recv/send timeouts inside an image
 STARTUP_S = 120.0         # a worker that does not start within this is a broken harness
@@ -501,7 +508,9 @@ class _Runner:
 
     def run(self) -> dict:
         import cxlrt
+        import cxlrt.lock
         from cxlrt import check as _check
+        cxlrt.lock.MANAGER_WAIT_S = MANAGER_WAIT_S
         case = self.case
         if case.get("inject"):
             self.op("inject", _inject, case["inject"])
@@ -838,6 +847,7 @@ class Report:
     op_ms: collections.Counter = field(default_factory=collections.Counter)
     slow: list = field(default_factory=list)
     stray: int = 0      # images that left a thread running past close() for a while
+    interrupted: bool = False  # stopped (Ctrl-C, SIGTERM) before its last image
 
     @property
     def rate(self) -> float:
@@ -846,8 +856,9 @@ class Report:
     def as_dict(self) -> dict:
         t = sorted(self.image_s)
         q = (lambda f: round(t[min(len(t) - 1, int(f * len(t)))] * 1000, 2)) if t else None
-        return {"images": self.images, "seconds": round(self.seconds, 1),
-                "images_per_s": round(self.rate, 1), "crashes": self.crashes, "hangs": self.hangs,
+        return {"images": self.images, "interrupted": self.interrupted,
+                "seconds": round(self.seconds, 1), "images_per_s": round(self.rate, 1),
+                "crashes": self.crashes, "hangs": self.hangs,
                 "exceptions_by_type": dict(self.by_type.most_common()),
                 "outcomes_by_op": {k: dict(v.most_common()) for k, v in sorted(self.by_op.items())},
                 "features": self.features, "corpus": self.corpus, "worker_leaks": self.leaks,
@@ -972,12 +983,14 @@ class Fuzzer:
                 if self.progress and (time.monotonic() - last > 2 or nxt >= end):
                     last = time.monotonic()
                     self._progress(end - start)
+        except KeyboardInterrupt:
+            rep.interrupted = True  # a soak stopped early still reports what it tried
         finally:
             for w in workers:
                 w.kill(grace=5.0)
-        rep.seconds = time.monotonic() - t0
-        with open(os.path.join(self.out_dir, "report.json"), "w") as f:
-            json.dump(rep.as_dict(), f, indent=1)
+            rep.seconds = time.monotonic() - t0
+            with open(os.path.join(self.out_dir, "report.json"), "w") as f:
+                json.dump(rep.as_dict(), f, indent=1)
         return rep
 
     def _progress(self, total: int) -> None:
@@ -1201,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
                     "under OUT/crashes/ with the image, its mutations and the stacks. Prints a "
                     "progress line every 2 s and a summary at the end (OUT/report.json has "
                     "it all); exits 1 if anything crashed or hung.",
-        epilog="CI size: --images 20000 --jobs 2 (about 3 minutes on two cores). The long run "
+        epilog="CI size: --images 20000 --jobs 2 (4-8 minutes on two cores). The long run "
                "of issue 9: --images 1000000 --jobs 2 --out DIR. Replay a saved case: python "
                "-X faulthandler -m cxlrt.fuzz --replay DIR/crashes/<case>.")
     p.add_argument("--images", type=int, default=10000, help="images to try (10000)")
@@ -1248,12 +1261,13 @@ def main(argv: list[str] | None = None) -> int:
         print(res["stack"])
         return 0
     out = args.out or tempfile.mkdtemp(prefix="cxlrt-fuzz-")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: report
     inject = {int(i): k for i, k in (x.split(":") for x in args.inject)}
     fz = Fuzzer(out, seed=args.seed, jobs=args.jobs, timeout=args.timeout, guard=args.guard,
                 inject=inject, progress=not args.quiet)
     rep = fz.run(args.images, start=args.start)
     d = rep.as_dict()
-    print(json.dumps({k: d[k] for k in ("images", "seconds", "images_per_s",
+    print(json.dumps({k: d[k] for k in ("images", "interrupted", "seconds", "images_per_s",
                                         "exceptions_by_type", "features", "corpus",
                                         "worker_leaks", "image_ms_p50_p99_max")}, indent=1))
     for kind in ("crashes", "hangs"):

@@ -93,11 +93,12 @@ ctypedef struct cxl_lock_node_line:
     uint64_t req_seq          # manager: requests made by this node
     uint64_t rel_seq          # manager: requests this node has released
     uint64_t acquisitions     # global acquisitions by this node (statistics)
-    uint64_t reserved[3]
+    uint64_t accepted         # manager: the grant word this node took, less the node byte
+    uint64_t reserved[2]
 
 
 ctypedef struct cxl_lock_grant_line:
-    uint64_t grant            # manager: (granted node + 1) << 56 | request number, 0 = none
+    uint64_t grant            # manager: (node + 1) << 56 | (epoch & 0xFFFF) << 40 | request, 0 = none
     uint64_t reserved[7]
 
 

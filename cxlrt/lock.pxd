@@ -35,6 +35,7 @@ cdef enum:
     CXLRT_E_TIMEOUT = -1010
     CXLRT_E_LOCKSTATE = -1011  # a lock's own state is unusable (not created, bad mode)
     CXLRT_E_FENCED = -1012     # superseded (another life of the node, or another manager)
+    CXLRT_E_NOMANAGER = -1013  # a manager-mode waiter saw no manager pass for mgr_wait_ns
 
 
 ctypedef struct cxl_lockctx:
@@ -45,6 +46,7 @@ ctypedef struct cxl_lockctx:
     cxl_live* live            # liveness: node states, our own silence
     uint64_t rec_bytes        # (nodes + 2) * 64
     uint64_t lease_ns
+    uint64_t mgr_wait_ns      # a manager-mode waiter gives up once no manager ran this long
     uint32_t nodes
     uint32_t node
 

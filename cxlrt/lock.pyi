@@ -1,4 +1,3 @@
-from collections.abc import Callable
 from typing import Any
 
 from cxlrt.errors import CxlrtError
@@ -13,13 +12,18 @@ ALLOC_NAME: str
 
 class LockTimeout(CxlrtError, TimeoutError): ...
 class LeaseLost(CxlrtError): ...
+class NoLockManager(CxlrtError): ...
+
+MANAGER_WAIT_S: float
 
 class LockService:
     region: Region
     local: NodeLocal
     lease_s: float
     lease_gaps: int
-    on_beat: Callable[[], Any] | None
+    manager_wait: float
+    mgr_epoch: int
+    mgr_exit: str | None
     def __init__(self, region: Region, lease_ms: int) -> None: ...
     def find(self, name: str) -> tuple[int, int] | None: ...
     def get(self, name: str, mode: str | None = ...) -> Lock: ...

@@ -17,6 +17,7 @@ from libc.string cimport memset
 from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, CXLRT_E_COHERENCE, cxl_flush, cxl_load, cxl_load64,
                             cxl_persist, cxl_publish, cxl_region, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
+from cxlrt.layout cimport CXL_NODE_AREA
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
                                     cxl_load64_volatile, cxl_now_ns, cxl_pid,
                                     cxl_store64_volatile, unlikely)
@@ -48,6 +49,15 @@ cdef int* _armed = cxl_crash_armed_ptr()
 
 class LockTimeout(CxlrtError, TimeoutError):
     """A lock was not acquired within the timeout."""
+
+
+class NoLockManager(CxlrtError):
+    """A manager-mode lock was waited on while no lock manager ran (LockService.manager_wait)."""
+
+
+# A manager-mode waiter gives up once no manager has made a pass for this long, or two
+# leases if longer (a standby takes a stalled manager over after one lease).
+MANAGER_WAIT_S = 3.0
 
 
 class LeaseLost(CxlrtError):
@@ -269,11 +279,43 @@ cdef inline int _claim_epoch(cxl_lockctx* L, uint64_t* epoch) noexcept nogil:
     return _observe64(L.r, L.locks_off + 8, epoch)
 
 
+ctypedef struct cxl_mgr_watch:
+    uint64_t claim, epoch, beat   # the manager last seen (claim node + 1, epoch, passes)
+    uint64_t ran_ns               # when we last saw it make a pass (or began to wait)
+    uint64_t next_ns              # when to look again
+
+
+cdef int _mgr_watch(cxl_lockctx* L, cxl_mgr_watch* w, uint64_t now) noexcept nogil:
+    """CXLRT_E_NOMANAGER once no manager made a pass for L.mgr_wait_ns of our wait.
+
+    A manager-mode lock with no manager (never started, stopped, or its node dead and
+    nobody took over) would otherwise keep its waiters for ever. Judged by the
+    manager's pass counter in its node area, on our own clock, like any liveness.
+    """
+    cdef uint64_t c[2]
+    cdef uint64_t a[2]
+    cdef uint64_t node
+    if now < w.next_ns:
+        return 0
+    w.next_ns = now + 20000000
+    if cxl_flush(L.r, L.locks_off, 16) == 0 and cxl_load(L.r, L.locks_off, c, 16) == 0 \
+            and c[0] != 0 and c[0] <= L.nodes and not cxl_node_gone(L.live, c[0] - 1):
+        node = L.nodes_off + (c[0] - 1) * CXL_NODE_AREA + 64  # its mgr_epoch, mgr_beat
+        if cxl_flush(L.r, node, 16) == 0 and cxl_load(L.r, node, a, 16) == 0 and a[0] == c[1]:
+            if w.claim == c[0] and w.epoch == c[1] and w.beat != a[1]:
+                w.ran_ns = now
+            w.claim, w.epoch, w.beat = c[0], c[1], a[1]
+    if now - w.ran_ns > L.mgr_wait_ns:
+        return CXLRT_E_NOMANAGER
+    return 0
+
+
 cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
     """Publish a request on our line, then wait for a grant of the current manager."""
     cdef const cxl_region* r = L.r
     cdef uint64_t me = _line(L, id, L.node), g = _grant(L, id)
-    cdef uint64_t seq = 0, acq = 0, spins = 0, gw = 0, want, ep = 0
+    cdef uint64_t seq = 0, acq = 0, spins = 0, gw = 0, want, ep = 0, now
+    cdef cxl_mgr_watch watch
     cdef int rc = cxl_load64(r, me + 16, &seq)  # our own line: no observe needed
     if rc != 0:
         return rc
@@ -286,6 +328,8 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.mgr.request")
     _slot(L, id).seq = seq
+    memset(&watch, 0, sizeof(watch))
+    watch.ran_ns = cxl_now_ns()
     want = ((<uint64_t>L.node + 1) << 56) | (seq & GRANT_SEQ_MASK)
     while True:
         rc = _observe64(r, g, &gw)
@@ -307,9 +351,14 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
                 if cxl_load64(r, me + 32, &acq) == 0:
                     cxl_store64(r, me + 32, acq + 1)
                 return 0
-        if unlikely((spins & 63) == 63) and cxl_now_ns() > deadline:
-            rc = CXLRT_E_TIMEOUT
-            break
+        if unlikely((spins & 63) == 63):
+            now = cxl_now_ns()
+            if now > deadline:
+                rc = CXLRT_E_TIMEOUT
+                break
+            rc = _mgr_watch(L, &watch, now)
+            if rc != 0:
+                break
         cxl_backoff(&spins)
     # Withdraw: releasing the request also releases a grant that raced the timeout.
     cxl_store64(r, me + 24, seq)
@@ -665,6 +714,7 @@ cdef class LockService:
         self.L.rec_bytes = (region.nodes + 2) * 64
         self.L.lease_ns = <uint64_t>region.lease_ms * 1_000_000
         self.lease_s = region.lease_ms / 1000.0
+        self.manager_wait = max(MANAGER_WAIT_S, 2 * self.lease_s)
         self._modes = {}
         self._closed = False
         self._stop = threading.Event()
@@ -678,6 +728,29 @@ cdef class LockService:
         with nogil:
             n = cxl_lock_sweep(&self.L)
         return n
+
+    @property
+    def manager_wait(self):
+        """Seconds a manager-mode acquire waits with no lock manager running before it
+        raises NoLockManager (default: 3 s or two leases, the longer)."""
+        return self.L.mgr_wait_ns / 1e9
+
+    @manager_wait.setter
+    def manager_wait(self, double seconds):
+        if not seconds > 0:
+            raise ValueError(f"manager_wait must be > 0 seconds, got {seconds}")
+        self.L.mgr_wait_ns = <uint64_t>(seconds * 1e9)
+
+    def _no_manager(self, str name):
+        claim = self._claim()
+        who = ("no manager was ever started" if not claim[0] else
+               f"the last claim is node {claim[0] - 1}'s (epoch {claim[1]}), which is "
+               f"{self.live.state(claim[0] - 1) if claim[0] <= self.L.nodes else 'out of range'} "
+               "or has stopped granting")
+        return NoLockManager(
+            f"lock {name!r} is a manager-mode lock and no lock manager made a pass for "
+            f"{self.manager_wait:g} s ({who}): start one with `cxlrt lockmgr SPEC` or "
+            "cxlrt.open(..., lock_manager=True)")
 
     @property
     def lease_gaps(self):
@@ -953,6 +1026,8 @@ cdef class Lock:
         self.recovered = bool(rec)
         if rc == CXLRT_E_TIMEOUT:
             return False
+        if rc == CXLRT_E_NOMANAGER:
+            raise self.svc._no_manager(self.name)
         if rc == CXLRT_E_FENCED:
             raise LeaseLost(f"lock {self.name!r}: node {self.svc.L.node} was taken over by "
                             "another process group while this one was silent; this process "

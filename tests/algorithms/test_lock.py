@@ -227,3 +227,64 @@ def test_lock_misuse_is_a_clear_error(backend):
         with pytest.raises(ValueError, match="1..40 bytes"):
             r.lock(bad)
     r.close()
+
+
+# --- a manager-mode lock with no manager ------------------------------------------------
+
+def test_manager_lock_with_no_manager_raises_instead_of_waiting_for_ever(backend):
+    r = backend.create(nodes=2, lease=0.1)
+    lock = r.lock("m", mode="manager")
+    r.locks.manager_wait = 0.3
+    t0 = time.monotonic()
+    with pytest.raises(cxlrt.NoLockManager, match="no manager was ever started"):
+        lock.acquire()
+    assert 0.3 <= time.monotonic() - t0 < 10
+    assert lock.acquire(timeout=0.05) is False  # a shorter timeout still just times out
+    r.start_lock_manager()
+    assert lock.acquire(timeout=5)
+    lock.release()
+    r.close()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _manager_then_wait(spec, ready, go):
+    r = cxlrt.open(spec, node=1, lock_manager=True)
+    ready.set()
+    go.wait(60)
+    r.close()
+
+
+def test_a_waiter_gives_up_on_a_stopped_manager_but_not_on_a_running_one(backend):
+    """A running manager's passes keep a long wait going; once its process is stopped
+    (and nobody takes over), the waiter raises after manager_wait."""
+    r = backend.create(nodes=3, lease=0.1)
+    lock = r.lock("m", mode="manager")
+    ready, go = _CTX.Event(), _CTX.Event()
+    mgr = _CTX.Process(target=_manager_then_wait, args=(backend.spec(), ready, go))
+    mgr.start()
+    try:
+        assert ready.wait(30)
+        holder = cxlrt.open(backend.spec(), node=2)
+        held = holder.lock("m")
+        assert held.acquire(timeout=10)
+        r.locks.manager_wait = 0.5
+        assert lock.acquire(timeout=1.5) is False  # 3 x manager_wait behind a live holder
+        held.release()
+        assert lock.acquire(timeout=10)
+        assert held.acquire(timeout=0.05) is False
+        os.kill(mgr.pid, signal.SIGSTOP)
+        while _state(mgr.pid) != "T":  # stopped for real, not just signalled
+            time.sleep(0.005)
+        lock.release()
+        with pytest.raises(cxlrt.NoLockManager, match="node 1"):
+            held.acquire(timeout=30)  # holder's region kept the default wait: 3 s
+        holder.close()
+    finally:
+        os.kill(mgr.pid, signal.SIGCONT)
+        go.set()
+        mgr.join(30)
+    r.close()

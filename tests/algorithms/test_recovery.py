@@ -317,6 +317,7 @@ def _manager_stopping_at_grant(spec, ready, out):
 def _tagged_hold(spec, node, tag, hold, asking, held, out):
     """Take lock "m" once, stamp our tag, hold; report whether the tag survived."""
     r = cxlrt.open(spec, node=node)
+    r.locks.manager_wait = 60  # no manager passes while the test stalls the first one
     lock = r.lock("m")
     off = r.heap[0]
     asking.set()

@@ -27,6 +27,7 @@ from lmcache.v1.platform import consume_fd  # noqa: E402
 
 from cxlrt.heapscan import footprint  # noqa: E402
 from cxlrt.integrations.lmcache import HEADER, CxlrtL2Adapter, object_key  # noqa: E402
+from tests.nodes import raise_failures, run_procs  # noqa: E402
 
 LAYOUT = {0: MemoryLayoutDesc(shapes=[], dtypes=[])}
 MAX_OBJECT = 8192
@@ -116,6 +117,26 @@ def test_store_lookup_load_round_trip_on_another_node(region):
     finally:
         b.close()
         a.close()
+
+
+def _store_as(backend, node: int, n: int) -> bool:
+    a = adapter(backend, node)
+    try:
+        return store(a, [okey(i) for i in range(n)], [mobj(300, float(i)) for i in range(n)]
+                     ).is_successful()
+    finally:
+        a.close()
+
+
+def test_blocks_another_process_stored_load_here(region, a):
+    assert raise_failures(run_procs(_store_as, [(region, 1, 3)])) == [True]
+    keys = [okey(i) for i in range(3)]
+    assert lookup(a, keys) == [True] * 3
+    outs = [mobj(300, -1.0) for _ in keys]
+    assert load(a, keys, outs) == [True] * 3
+    for i, out in enumerate(outs):
+        assert torch.equal(out.tensor, mobj(300, float(i)).tensor)
+    unlock(a, keys)
 
 
 def test_a_locked_block_survives_delete_until_unlocked(region):

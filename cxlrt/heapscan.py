@@ -20,6 +20,15 @@ RFREE_APPLIED = 0x52465245452D4150  # an applied one's
 OFF_MASK = (1 << 48) - 1
 
 
+def footprint(nbytes: int) -> float:
+    """Heap bytes one live object of `nbytes` takes: its size class's share of a
+    chunk, or whole chunks for a large one (for sizing caches to a heap)."""
+    for size, slots, _ in class_geometry():
+        if nbytes <= size:
+            return CHUNK / slots
+    return -(-nbytes // CHUNK) * CHUNK
+
+
 @dataclass
 class HeapScan:
     """What the chunk table, small-chunk headers and bitmaps say."""

@@ -1675,6 +1675,41 @@ cdef class KVCache:
             if rc != 0:
                 self._raise(rc, "evict")
 
+    def delete(self, keys):
+        """Drop the blocks of `keys` now; returns the keys this call dropped.
+
+        For callers that run their own eviction policy on top (LMCache's L2
+        eviction controller). A key that is absent, still being written, or
+        pinned by any node stays: the same mark-then-read-pins step as LRU
+        eviction, so a block a reader holds is never freed under it.
+        """
+        self._need_open()
+        cdef list ks = _keys(keys)
+        cdef kv_entry e
+        cdef uint64_t s = 0, free_slot = 0
+        cdef int rc
+        cdef const char* kp
+        dropped = []
+        if not ks:
+            return dropped
+        self._ident()
+        self._hold(None)
+        try:
+            self._settle()
+            for k in ks:
+                kp = PyBytes_AS_STRING(k)
+                with nogil:
+                    rc = self._probe(kp, &s, &e, &free_slot)
+                if rc < 0:
+                    self._raise(rc, "delete")
+                if rc == 1 and _state(&e) == KV_READY and self._evict_one(s, 0):
+                    dropped.append(k)
+            if dropped:
+                self._sweep_tombstones()
+        finally:
+            self._release_quietly()
+        return dropped
+
     # --- figures ---------------------------------------------------------------------------
 
     def stats(self):

@@ -289,6 +289,30 @@ def test_an_evictor_that_ignores_pins_is_caught(backend):
     r.close()
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["pins-read", "pins-ignored"])
+def test_delete_drops_unpinned_blocks_and_keeps_pinned_ones(backend, broken):
+    r, c, keys = filled(backend, nodes=2, capacity=16, blocks=4)
+    peer = backend.open(1)
+    cp = open_cache(peer, capacity_blocks=16)
+    if broken:  # negative control: a deleter that does not read pins frees a held block
+        _break_pin_protocol(c)
+    with cp.lookup(keys[:1]):  # node 1 pins block 0
+        absent = c.block_hashes(chain(9, 1))
+        dropped = c.delete(keys[:3] + absent)
+        assert dropped == (keys[:3] if broken else keys[1:3])
+        assert c.stats()["occupancy"] == 4 - len(dropped)
+        with c.lookup(keys) as hit:
+            assert len(hit) == (0 if broken else 1)
+    assert c.delete(keys[:1]) == ([] if broken else keys[:1])
+    assert c.delete([]) == []
+    with cp.lookup(keys[3:]) as hit:  # the block nobody deleted is still whole
+        assert bytes(cp.load(hit)[0]) == block_for(keys[3])
+    assert c.store(keys[:3], [block_for(k) for k in keys[:3]]) == keys[:3]  # room again
+    cp.close()
+    peer.close()
+    r.close()
+
+
 def test_lru_evicts_the_least_recently_used_unpinned_block(backend):
     r = backend.create(nodes=1)
     c = open_cache(r, capacity_blocks=16)

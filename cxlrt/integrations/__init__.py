@@ -1,0 +1,1 @@
+"""Plugins that put cxlrt inside serving stacks (each imports its engine only when used)."""

@@ -92,7 +92,8 @@ def _extensions():
 setup(
     package_dir={"cxlrt": "cxlrt", "cxlrt.backends": "backends",
                  "cxlrt.emulation": "emulation"},
-    packages=["cxlrt", "cxlrt.includes", "cxlrt.serving", "cxlrt.backends", "cxlrt.emulation"],
+    packages=["cxlrt", "cxlrt.includes", "cxlrt.serving", "cxlrt.integrations", "cxlrt.backends",
+              "cxlrt.emulation"],
     package_data={
         "cxlrt": ["*.pxd", "*.pyi", "py.typed"],
         "cxlrt.includes": ["*.pxd", "*.h"],

@@ -304,3 +304,68 @@ def test_preempted_and_relooked_up_requests_leave_no_pins(sched):
     side.request_finished(req)
     assert side.held() == 0
     assert _evictable(cache, 8) == 8
+
+
+# --- worker side, on tensors shaped like vLLM's CPU KV cache ------------------------------
+
+@pytest.fixture
+def worker(backend):
+    import torch
+
+    from cxlrt.integrations.vllm_config import Settings
+    from cxlrt.integrations.vllm_worker import WorkerSide
+    r = backend.create(size="8M", nodes=4)
+    # Two layers of (blocks, heads=2, block tokens, 2 x head size 2) float32: 1 KiB a block.
+    shape = (6, 2, BLOCK, 4)
+    cache = cxlrt.KVCache(r, "w", block_bytes=2 * 1024, capacity_blocks=8, block_tokens=BLOCK,
+                          salt="unit")
+
+    def make(**extra):
+        w = WorkerSide(Settings.from_extra(extra), cache, 0, ["l0", "l1"], shape[0])
+        g = torch.Generator().manual_seed(0)
+        w.register_kv_caches({n: torch.randn(shape, generator=g) for n in ("l0", "l1")})
+        return w
+    yield cache, make
+    cache.close()
+    r.close()
+
+
+def _move(cache, nblocks, block_ids):
+    from cxlrt.integrations.vllm_meta import BlockMove, CxlrtMetadata
+    keys = cache.block_hashes(TOKENS[:nblocks * BLOCK])
+    return CxlrtMetadata(saves=[BlockMove("r", [keys], block_ids)]), \
+        CxlrtMetadata(loads=[BlockMove("r", [keys], block_ids)])
+
+
+def test_worker_saves_and_loads_every_layers_pages(worker):
+    cache, make = worker
+    src, dst = make(), make()
+    save, _ = _move(cache, 3, [1, 2, 3])
+    src.wait_for_save(save)
+    _, load = _move(cache, 3, [4, 5, 0])
+    dst.start_load_kv(load)
+    assert dst.take_invalid() == set() and dst.take_loaded() == {"r"}
+    for a, b in zip(src.pages, dst.pages, strict=True):
+        assert a[[1, 2, 3]].equal(b[[4, 5, 0]])
+
+
+def test_a_corrupt_block_is_reported_for_recompute_not_loaded(worker):
+    cache, make = worker
+    src, dst = make(), make()
+    save, load = _move(cache, 3, [1, 2, 3])
+    src.wait_for_save(save)
+    before = [p.clone() for p in dst.pages]
+    off = next(e["offset"] for e in cache.entries() if e["key"] == load.loads[0].keys[0][1])
+    cache.region.dma_write(off + 8, bytes(16))  # the header's copy of the key
+    dst.start_load_kv(load)
+    assert dst.take_invalid() == {1, 2, 3}  # the run is cut: vLLM recomputes all of it
+    assert all(a.equal(b) for a, b in zip(before, dst.pages, strict=True))
+
+
+def test_loads_past_the_time_budget_are_recomputed(worker):
+    cache, make = worker
+    src, dst = make(), make(load_timeout_s=-1.0)
+    save, load = _move(cache, 2, [1, 2])
+    src.wait_for_save(save)
+    dst.start_load_kv(load)
+    assert dst.take_invalid() == {1, 2} and dst.counters["loaded_blocks"] == 0

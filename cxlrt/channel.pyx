@@ -48,6 +48,7 @@ from cxlrt.region cimport Region
 from cxlrt.crash import point as _point
 from cxlrt.directory import check_name
 from cxlrt.errors import CxlrtError, RegionError
+from cxlrt import rolelock
 from cxlrt.liveness import boot_hash, pid_namespace, process_alive, process_start
 from cxlrt.lock import LeaseLost
 
@@ -842,8 +843,10 @@ cdef class Channel:
         """'alive', 'dead' (certainly gone: it cannot write again) or 'silent' (gone by
         its node's liveness: it may be stalled and resume).
 
-        A process is judged by (pid, start time) only in our boot and pid namespace;
-        anywhere else only its node's heartbeat and incarnation can tell.
+        A process is judged by (pid, start time) in our boot and pid namespace; in
+        another pid namespace of our node by the role lock, which the claim took
+        first (rolelock.py: no live process of our node holds the role); anywhere
+        else only its node's heartbeat and incarnation can tell.
         """
         r = self.region
         _, pidns, boot = _ids()
@@ -851,6 +854,8 @@ cdef class Channel:
                 c["pid"], c["start"], c["pidns"]):
             return "dead"
         node = c["node"]
+        if node == r.node and c["boot"] == boot and c["pidns"] != pidns:
+            return "dead"
         if not 0 <= node < r.nodes:
             return "silent"  # a scribbled owner word names no node: nobody can hold it
         state = r.liveness.state(node)
@@ -865,10 +870,13 @@ cdef class Channel:
     def _busy(self, role, c):
         _, pidns, boot = _ids()
         r = self.region
-        if c["node"] == r.node and c["boot"] == boot and c["pidns"] != pidns:
-            why = ("it runs in another pid namespace of our node, which only its node's "
-                   "heartbeat can judge, and that beats")
-        elif c["boot"] == boot and c["pidns"] == pidns:
+        if c is None:
+            return ChannelBusyError(
+                f"channel {self.name!r}: its {role} role is held or being claimed by "
+                f"another process of node {r.node}, which is alive (it holds the role lock, "
+                f"in this or another pid namespace); a channel has one {role} (open one "
+                f"channel per sender/receiver pair, or close() the other {role} first)")
+        if c["boot"] == boot and c["pidns"] == pidns:
             why = "its process exists"
         else:
             why = (f"its node's heartbeat moved within the last {r.lease_ms / 1000.0} s "
@@ -942,6 +950,10 @@ cdef class Channel:
         start, pidns, boot = _ids()
         me = {"owner": (r.node + 1) | (pid << 32), "incarnation": self._live.incarnation,
               "start": start, "pidns": pidns, "boot": boot}
+        # The role lock first: while we hold it no other live process of our node,
+        # in any pid namespace, can hold the role (see _judge).
+        if not rolelock.hold(r.uuid, r.node, self._role_key(role)):
+            raise self._busy(role, None)
         lk = r.lock(LOCK_NAME)
         lk.acquire()
         err = info = None
@@ -963,6 +975,7 @@ cdef class Channel:
                         f"{c['pid']} took it over")
                     err.__cause__ = e
         if err is not None:
+            rolelock.release(r.uuid, r.node, self._role_key(role))
             raise err
         now = cxl_now_ns()
         if role == "producer":
@@ -1078,12 +1091,17 @@ cdef class Channel:
         self._drop(role)
         return rc
 
+    def _role_key(self, role):
+        return self.offset * 2 + (role == "consumer")
+
     def _drop(self, role):
         """Forget that we hold `role` (released, or taken over)."""
         if role == "producer":
             self._prod_pid = 0
         else:
             self._cons_pid = 0
+        if not self.region.closed:
+            rolelock.release(self.region.uuid, self.region.node, self._role_key(role))
         key = (os.getpid(), self.region.uuid, self.offset, role)
         ref = _roles.get(key)
         if ref is not None and ref() is self:
@@ -1443,6 +1461,13 @@ cdef class Channel:
             cxl_chan_release(self.C.r, self.C.pclaim, self.C.p_epoch, owner)
         if self._cons_pid == pid:
             cxl_chan_release(self.C.r, self.C.cclaim, self.C.c_epoch, owner)
+        try:
+            for role, mine in (("producer", self._prod_pid == pid),
+                               ("consumer", self._cons_pid == pid)):
+                if mine:
+                    rolelock.release(self.region.uuid, self.region.node, self._role_key(role))
+        except Exception:
+            pass  # dealloc stays silent: the lock goes with the process at the latest
 
     def __enter__(self):
         return self

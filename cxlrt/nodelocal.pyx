@@ -159,7 +159,7 @@ cdef class NodeLocal:
 def remove_files(unsigned long long uuid, int nodes):
     """Delete a region's node-local files (after a reformat they are orphans)."""
     for n in range(nodes):
-        for suffix in ("", ".init"):
+        for suffix in ("", ".init", ".roles"):
             try:
                 os.unlink(local_path(uuid, n) + suffix)
             except FileNotFoundError:

@@ -161,11 +161,16 @@ def _take_over_stalled(ch, prod, pconn, go, sends, cons, cconn, end):
         _, took = _take(ch, lambda: ch.send(_msg("T", 0), timeout=10), stopped_at + BOUND)
         for j in range(1, sends):
             ch.send(_msg("T", j), timeout=10)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; drainer: {_result(cons, cconn, 5)}") from e
     finally:
         os.kill(prod.pid, signal.SIGCONT)
         go.set()
     _, perr = _result(prod, pconn)
-    ch.send(end, timeout=10)
+    try:
+        ch.send(end, timeout=10)
+    except TimeoutError as e:  # the drainer stopped taking: say why
+        raise AssertionError(f"{e}; drainer: {_result(cons, cconn, 5)}") from e
     got, cerr = _result(cons, cconn)
     return took, perr, got, cerr
 
@@ -219,6 +224,10 @@ try:
         for i in range(1, a["count"]):
             ch.send(msg(i), timeout=10)
             out["acked"] = i + 1
+    elif a["mode"] == "die":        # take the producer role, send one message, then die
+        ch.send(b"last", timeout=10)
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)  # no close: the role stays claimed by a process that is gone
     elif a["mode"] == "consume":    # take the consumer role, then receive `count` messages
         got = [first(lambda: ch.recv(timeout=10).decode())]
         while len(got) < a["count"]:
@@ -283,6 +292,29 @@ def test_claimant_in_another_pid_namespace_never_takes_a_live_producer(backend, 
     assert cerr is None, cerr
     assert err is None and acked.value == n + 1, (err, acked.value)
     assert got[:n] == [_msg("P", i) for i in range(n)], "the consumer lost or reordered messages"
+    ch.close()
+    r.close()
+
+
+def test_a_dead_owner_in_another_pid_namespace_of_a_live_node_gives_the_role_back(backend):
+    """The producer runs in another pid namespace of our node and dies without close().
+    The node beats on (this process is attached as it), so neither a pid nor the node's
+    heartbeat can tell; the role must still be taken over within the bound."""
+    r = backend.create(nodes=3, node=0, lease=LEASE)
+    ch = Channel(r, NAME, slots=4, msg_bytes=64)
+    res = _in_new_pidns(spec=backend.spec(), node=0, name=NAME, mode="die")
+    assert res["pidns"] != pid_namespace() and res["error"] is None, res
+    t0 = time.monotonic()
+    while True:
+        try:
+            ch.send(b"ours", timeout=5)
+            break
+        except ChannelBusyError as e:
+            assert time.monotonic() - t0 < BOUND, f"the dead owner's role never came back: {e}"
+            time.sleep(0.02)
+    cons = Channel(r, NAME, slots=None, msg_bytes=None, create=False)
+    assert [cons.recv(timeout=5), cons.recv(timeout=5)] == [b"last", b"ours"]
+    cons.close()
     ch.close()
     r.close()
 

@@ -51,8 +51,9 @@ def _print_info(info: dict[str, Any]) -> None:
             continue
         print(f"kv cache {kv['name']!r}: {kv['occupancy']}/{kv['capacity_blocks']} blocks of "
               f"{_human(kv['block_bytes'])} ({kv['block_tokens']} tokens, {kv['algorithm']}, "
-              f"salt {kv['salt_digest'][:16]}); {kv['hits']} hits, {kv['misses']} misses, "
-              f"{kv['stores']} stores, {kv['evictions']} evictions")
+              f"salt {kv['salt_digest'][:16]}); {kv['pinned_blocks']} pinned ({kv['pins']} pins); "
+              f"{kv['hits']} hits, {kv['misses']} misses, {kv['stores']} stores, "
+              f"{kv['evictions']} evictions")
 
 
 def cmd_format(args: argparse.Namespace) -> int:
@@ -69,11 +70,16 @@ def cmd_format(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     import cxlrt
+    if args.plot:
+        from cxlrt import plots
+        plots.check(args.plot)  # a bad path or no matplotlib: an error before any work
     info = cxlrt.inspect(args.spec)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         _print_info(info)
+    if args.plot:
+        print(f"plot     {plots.info_figure(info, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -128,6 +134,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cxlrt import demo
     given = {k: v for k, v in vars(args).items() if k in DEMO_OPTIONS and v is not None}
     cfg = demo.DemoConfig.quick(**given) if args.quick else demo.DemoConfig(**given)
+    if args.plot:
+        from cxlrt import plots
+        plots.check(args.plot)  # a bad path or no matplotlib: an error before the demo runs
     try:
         report = demo.run(cfg, show=not args.json,
                           out=(lambda *a: None) if args.json else print)
@@ -139,6 +148,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 3
     if args.json:
         print(json.dumps(report, indent=2))
+    if args.plot:
+        print(f"cxlrt demo: plot written to {plots.demo_figure(report, args.plot)}",
+              file=sys.stderr)
     return 0 if report["ok"] else 1
 
 
@@ -207,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=SPEC_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("spec", help="region spec, e.g. file:/dev/shm/rack0")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    i.add_argument("--plot", metavar="FILE.png",
+                   help="also draw each KV cache's occupancy, pinned blocks and hit rate "
+                        "to this PNG (needs matplotlib)")
     i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("check", help="verify a region's invariants; repair a dead node",
@@ -265,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a small workload that runs in seconds (for tests and a first look)")
     d.add_argument("--json", action="store_true",
                    help="print a machine-readable report instead of the table")
+    d.add_argument("--plot", metavar="FILE.png",
+                   help="also draw TTFT per turn for each mode, with the prefix hit rate on "
+                        "a second axis, to this PNG (needs matplotlib)")
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -277,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:  # ImportError: an extra is missing
         print(f"cxlrt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a cxlrt error is the user's answer, not a crash

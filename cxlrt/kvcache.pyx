@@ -1929,7 +1929,7 @@ def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t
 def describe(region, uint64_t dir_off):
     """Every KV cache named in a region's directory, read by DMA without attaching.
 
-    For `cxlrt info`: geometry, occupancy and the counters summed over nodes. A
+    For `cxlrt info`: geometry, occupancy, pins and the counters summed over nodes. A
     cache whose header cannot be right is listed with an "error".
     """
     import struct
@@ -1961,6 +1961,19 @@ def describe(region, uint64_t dir_off):
                 for k, v in zip(STAT_NAMES, words, strict=True):
                     totals[k] += v
             item.update(totals)
+            # Pin words: one per node and slot, the count in the low bits. A block
+            # pinned anywhere cannot be evicted: what an operator wants to see.
+            slots, nodes = w[3], lay[0]
+            if slots > (1 << 24) or nodes > 64:
+                raise RegionError(f"{slots} slots x {nodes} nodes is not a KV cache's shape")
+            per_node, pinned = [], set()
+            for j in range(nodes):
+                raw = region.dma_read(lay[2] + j * slots * 8, slots * 8)
+                counts = [v & KV_PIN_MAX for v in struct.unpack(f"<{slots}Q", raw)]
+                per_node.append(sum(counts))
+                pinned.update(k for k, c in enumerate(counts) if c)
+            item.update(pins=sum(per_node), pins_by_node=per_node,
+                        pinned_blocks=len(pinned))
         except (RegionError, IndexError, struct.error) as e:
             item["error"] = str(e)
         out.append(item)

@@ -259,11 +259,7 @@ def run(cfg: DemoConfig | None = None, *, show: bool = True,
         Where the human-readable lines go (``print``; a no-op for ``--json``).
     """
     cfg = cfg or DemoConfig()
-    try:
-        from cxlrt.serving import scheduler
-    except ImportError as e:  # torch is an extra: say how to get it
-        raise ImportError(f"cxlrt demo needs torch ({e}); install it with "
-                          "`pip install 'cxlrt[torch]'` (the CPU build is enough)") from e
+    from cxlrt.serving import scheduler
     t0 = time.monotonic()
     wl = make_workload(cfg.workload)
     plan = plan_for(cfg)

@@ -30,12 +30,10 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="the demo's model needs torch")
-
-from cxlrt import demo  # noqa: E402
-from cxlrt.serving.scheduler import Cluster  # noqa: E402
-from cxlrt.serving.workers import Request  # noqa: E402
-from cxlrt.serving.workload import make_workload  # noqa: E402
+from cxlrt import demo
+from cxlrt.serving.scheduler import Cluster
+from cxlrt.serving.workers import Request
+from cxlrt.serving.workload import make_workload
 
 CFG = demo.DemoConfig(system_tokens=1024, user_tokens=64, new_tokens=1)
 HISTORY = 256   # tokens of earlier turns, after the system prompt (80 blocks in all)

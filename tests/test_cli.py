@@ -78,7 +78,6 @@ def test_info_on_corrupt_region_exits_1(region_dir):
 
 
 def test_demo_quick_json_reports_every_mode_equal_to_the_monolithic_run():
-    pytest.importorskip("torch", reason="the demo's model needs torch")
     p = cxlrt("demo", "--quick", "--json", "--conversations", "2", "--turns", "2")
     report = json.loads(p.stdout)  # --json: nothing but the report on stdout
     assert report["ok"] is True
@@ -95,7 +94,6 @@ def test_demo_quick_json_reports_every_mode_equal_to_the_monolithic_run():
 
 
 def test_demo_table_names_modes_and_verdict():
-    pytest.importorskip("torch", reason="the demo's model needs torch")
     out = cxlrt("demo", "--quick", "--turns", "2").stdout
     for text in ("(a) no cache", "(b) TCP", "(c) cxlrt", "TTFT mean", "(c)/(a)", "(c)/(b)",
                  "tokens equal to the monolithic run: (a) no cache yes, (b) TCP yes, "

@@ -71,7 +71,7 @@ class Plan:
         A cache salted with it never serves KV of another model or layout.
         """
         m = self.model
-        return (f"cxlrt-demo/TinyLM/v{m.vocab}-d{m.d_model}-l{m.n_layers}-h{m.n_heads}"
+        return (f"cxlrt-demo/TinyLM-numpy/v{m.vocab}-d{m.d_model}-l{m.n_layers}-h{m.n_heads}"
                 f"-f{m.d_ff}/seed{m.seed}/float32/kv[tok,layer,2,d]").encode()
 
     def full_blocks(self, n_tokens: int) -> int:

@@ -89,6 +89,15 @@ KNOWN: dict[tuple[str, str, str], str] = {
         "a drainer stalled past its lease between committing its batch and emptying its "
         "queue (_drain_locked) resumes and writes the queue line empty, dropping the remote "
         "frees other nodes queued during the stall: a leak of acknowledged frees (alloc.pyx)"),
+    ("kv.pin", "kill", "*"): (
+        "a reader killed with its pins raised, as its node's only process, leaves its "
+        "node's pin words up for good: KVCache._pinned counts every node's pin word "
+        "whatever that node's liveness, and only the node itself gives pins back "
+        "(PinTable.recover at its next attach or eviction), so the blocks it pinned are "
+        "never evicted or deleted until the node attaches the cache again (a dead host's "
+        "pins block eviction for ever). A fix: treat pins of a node that is detached, or "
+        "dead for a lease, as void, and quarantine (KV_REC_TAKE naming that node) the "
+        "payloads so evicted, since a stalled node may resume and read (kvcache.pyx)"),
 }
 
 

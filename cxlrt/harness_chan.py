@@ -300,7 +300,7 @@ def _chan_verify(data: CaseData) -> list[str]:
             out.append("the resumed victim left no outcome (it neither returned nor was told)")
         else:
             o = outcome[-1]
-            data.details["victim_outcome"] = {x: (v or "")[:120] for x, v in o.items()}
+            data.details["victim_outcome"] = {x: (o[x] or "")[:120] for x in ("first", "second")}
             if o["first"] == "ok" and o["second"] == "ok" and winner is not None:
                 out.append(f"the resumed {role} completed a call after its role was taken "
                            f"over by node {data.procs[winner].node}: it was not fenced")

@@ -1,7 +1,7 @@
 """The crash/stall harness (issue 9): stop or kill a process at every named crash point,
 let the others carry on, then check what must hold.
 
-    python -m cxlrt.harness                                   # lock, alloc, dir x kill, stop
+    python -m cxlrt.harness                                   # every point x kill, stop
     python -m cxlrt.harness --points 'lock.*' --backends emu-faulty --nodes 16
     python -m cxlrt.harness --rounds 3 --json matrix.json     # the soak
 
@@ -28,8 +28,10 @@ the driver runs one *case*:
 Every process keeps a *ledger* (JSON lines appended to a file in the case folder,
 written before and after each operation), so what a killed process acknowledged
 survives it. A family is one function, registered with :func:`family`, that returns
-a :class:`Workload` (its processes, a setup, a verify); adding one for the KV cache
-or the channel touches nothing else here.
+a :class:`Workload` (its processes, a setup, a verify). Locks, the allocator and the
+directory are here; the KV cache (``kv.*``, cxlrt.harness_kv) and the channel
+(``chan.*``, cxlrt.harness_chan) live in modules of their own, imported at the end
+of this one, and register the same way.
 """
 
 from __future__ import annotations

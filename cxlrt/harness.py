@@ -1,7 +1,7 @@
 """The crash/stall harness (issue 9): stop or kill a process at every named crash point,
 let the others carry on, then check what must hold.
 
-    python -m cxlrt.harness                                   # lock, alloc, dir x kill, stop
+    python -m cxlrt.harness                                   # every point x kill, stop
     python -m cxlrt.harness --points 'lock.*' --backends emu-faulty --nodes 16
     python -m cxlrt.harness --rounds 3 --json matrix.json     # the soak
 
@@ -28,8 +28,10 @@ the driver runs one *case*:
 Every process keeps a *ledger* (JSON lines appended to a file in the case folder,
 written before and after each operation), so what a killed process acknowledged
 survives it. A family is one function, registered with :func:`family`, that returns
-a :class:`Workload` (its processes, a setup, a verify); adding one for the KV cache
-or the channel touches nothing else here.
+a :class:`Workload` (its processes, a setup, a verify). Locks, the allocator and the
+directory are here; the KV cache (``kv.*``, cxlrt.harness_kv) and the channel
+(``chan.*``, cxlrt.harness_chan) live in modules of their own, imported at the end
+of this one, and register the same way.
 """
 
 from __future__ import annotations
@@ -89,6 +91,15 @@ KNOWN: dict[tuple[str, str, str], str] = {
         "a drainer stalled past its lease between committing its batch and emptying its "
         "queue (_drain_locked) resumes and writes the queue line empty, dropping the remote "
         "frees other nodes queued during the stall: a leak of acknowledged frees (alloc.pyx)"),
+    ("kv.pin", "kill", "*"): (
+        "a reader killed with its pins raised, as its node's only process, leaves its "
+        "node's pin words up for good: KVCache._pinned counts every node's pin word "
+        "whatever that node's liveness, and only the node itself gives pins back "
+        "(PinTable.recover at its next attach or eviction), so the blocks it pinned are "
+        "never evicted or deleted until the node attaches the cache again (a dead host's "
+        "pins block eviction for ever). A fix: treat pins of a node that is detached, or "
+        "dead for a lease, as void, and quarantine (KV_REC_TAKE naming that node) the "
+        "payloads so evicted, since a stalled node may resume and read (kvcache.pyx)"),
 }
 
 
@@ -1433,5 +1444,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if counts["fail"] else 0
 
 
+# The families that live in modules of their own register themselves on import.
+from cxlrt import harness_chan, harness_kv  # noqa: E402,F401
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module, whose FAMILIES the modules above filled.
+    from cxlrt import harness as _harness
+    sys.exit(_harness.main())

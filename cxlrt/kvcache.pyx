@@ -897,7 +897,7 @@ cdef class KVCache:
         if rc == CXLRT_E_FENCED:
             raise LeaseLost(
                 f"KV cache {self.name!r}: {what}: this process was silent for longer than the "
-                f"{self.region.lease_ms / 1000:g} s lease while it held the cache lock; another "
+                f"{self.region.lease_ms / 1000.0:g} s lease while it held the cache lock; another "
                 "node may hold it now, so nothing more was written")
         if rc == CXLRT_E_KVCORRUPT:
             raise RegionError(
@@ -1201,7 +1201,7 @@ cdef class KVCache:
             raise ClaimLost(
                 f"KV cache {self.name!r}: store: {len(lost)} of {len(reserved)} blocks were "
                 f"taken over by another node while this process made no progress for longer "
-                f"than the {self.region.lease_ms / 1000:g} s lease (stopped or stalled?); they "
+                f"than the {self.region.lease_ms / 1000.0:g} s lease (stopped or stalled?); they "
                 f"were not stored and their payloads went back to the allocator. "
                 f"{len(stored)} blocks were stored.", stored, [ks[j] for j in lost])
         return stored

@@ -249,13 +249,15 @@ cdef int _alloc_lock(cxl_allocctx* A, uint64_t* t0) noexcept nogil:
     """Take the allocator lock; *t0 is our clock when we began to ask (a silence while we
     wait counts: another node may have taken the lock from us in the queue)."""
     cdef int rec = 0
-    if unlikely(cxl_live_remaining_ns(A.L.live) < 0):
+    cdef uint64_t last = cxl_atomic_load_acquire64(&A.L.live.last_beat)
+    t0[0] = cxl_now_ns()  # the one clock read here when we beat on time
+    if unlikely((last != 0 and last + A.L.live.lease_ns < t0[0]) or cxl_live_fenced(A.L.live)):
         # Stalled and the beat thread has not run since: before we write as our node,
         # learn whether another life of it took over (the acquire then refuses), and
         # let our node be seen alive again before we compete for the lock.
         cxl_live_verify(A.L.live)
         _await_beat(A)
-    t0[0] = cxl_now_ns()
+        t0[0] = cxl_now_ns()
     return cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
 
 

@@ -12,6 +12,11 @@
 #    a batch to its journal line, empties the queue, then clears the bits; a drainer
 #    killed anywhere is replayed under the heap mutex before that node allocates again.
 #  - Large objects are runs of whole chunks; any node frees them under the lock.
+#  - Every write under the allocator lock is fenced: the holder first asks its own
+#    clock whether it was silent past the lease since it began to acquire (then
+#    another node may hold the lock) and, on a queue line, whether the line still
+#    holds what it read; if either fails it writes nothing more (CXLRT_E_FENCED).
+#    A silence found only after a queue or table publish is CXLRT_E_SUSPECT.
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
@@ -25,6 +30,7 @@ cdef enum:
     CXLRT_E_BADFREE = -1021   # not the start of a live object
     CXLRT_E_DOUBLEFREE = -1022
     CXLRT_E_CORRUPT = -1024   # a table word or header that cannot be right
+    CXLRT_E_SUSPECT = -1025   # silent past the lease while publishing under the allocator lock
 
 
 ctypedef struct cxl_allocctx:

@@ -27,12 +27,17 @@ from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_flush, cxl_load64, cxl_persist, cxl_region, cxl_store64
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport unlikely
+from cxlrt.includes.intrin cimport cxl_now_ns, unlikely
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
-from cxlrt.lock cimport CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, cxl_lock_acquire, cxl_lock_release
+from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
+from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
+                             cxl_live_silent_since, cxl_live_verify)
+from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXLRT_E_FENCED, cxl_lock_acquire,
+                         cxl_lock_release)
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
 
 from cxlrt.errors import (InvalidFreeError, OutOfMemory, OutOfRangeError, RegionError)
+from cxlrt.lock import LeaseLost
 
 cdef extern from *:
     """
@@ -71,6 +76,7 @@ cdef enum:
     LINK_BATCH = 16
     PEEK_EVERY = 256          # heap-mutex sections between two looks at our own queue
     RELEASE_HINTS = 32        # chunks a drain may find emptied and give back
+    AWAIT_SLICE_NS = 200000   # polling period while we wait for our own first beat after a stall
 
 # Crash points (cxlrt.crash): one load and one predictable branch when unarmed.
 cdef int* _armed = cxl_crash_armed_ptr()
@@ -217,14 +223,67 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
     return CXLRT_E_NOMEM
 
 
+# --- the allocator lock, fenced --------------------------------------------------------
+#
+# Nothing stops a holder from stalling (SIGSTOP, a VM pause) past the lease: others then
+# judge its node dead and take the lock over, and what it read under the lock is stale.
+# So before every write under the lock the holder asks its own clock whether it was
+# silent past the lease since it began to acquire, and stops with CXLRT_E_FENCED,
+# having written nothing more, if so. What is left is the few stores between that
+# question and the publish; a silence found just after a publish is reported
+# (CXLRT_E_SUSPECT) so the caller does not take the operation as acknowledged.
+
+cdef void _await_beat(cxl_allocctx* A) noexcept nogil:
+    """We were silent past the lease and our beat thread has not beaten since: wait for
+    it (at most a lease), so that the hold we are about to take starts after the
+    silence instead of being fenced at once. Waits on our own thread, never on a peer."""
+    cdef cxl_live* V = A.L.live
+    cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
+    cdef uint64_t end = cxl_now_ns() + V.lease_ns
+    while cxl_live_remaining_ns(V) < 0 and cxl_atomic_load_acquire64(&V.last_beat) == last \
+            and not cxl_live_fenced(V) and cxl_now_ns() < end:
+        cxl_sleep_ns(AWAIT_SLICE_NS)
+
+
+cdef int _alloc_lock(cxl_allocctx* A, uint64_t* t0) noexcept nogil:
+    """Take the allocator lock; *t0 is our clock when we began to ask (a silence while we
+    wait counts: another node may have taken the lock from us in the queue)."""
+    cdef int rec = 0
+    cdef uint64_t last = cxl_atomic_load_acquire64(&A.L.live.last_beat)
+    t0[0] = cxl_now_ns()  # the one clock read here when we beat on time
+    if unlikely((last != 0 and last + A.L.live.lease_ns < t0[0]) or cxl_live_fenced(A.L.live)):
+        # Stalled and the beat thread has not run since: before we write as our node,
+        # learn whether another life of it took over (the acquire then refuses), and
+        # let our node be seen alive again before we compete for the lock.
+        cxl_live_verify(A.L.live)
+        _await_beat(A)
+        t0[0] = cxl_now_ns()
+    return cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+
+
+cdef inline int _fence(cxl_allocctx* A, uint64_t t0) noexcept nogil:
+    """CXLRT_E_FENCED if we were silent past the lease since t0 (so the lock may have
+    had another holder), else 0. One clock read and two loads: slow path only."""
+    return CXLRT_E_FENCED if cxl_live_silent_since(A.L.live, t0) else 0
+
+
+cdef inline int _published(cxl_allocctx* A, uint64_t t0, int rc) noexcept nogil:
+    """rc of a publish just made under the lock, or CXLRT_E_SUSPECT if we were silent
+    past the lease during it (asked before the release: a stall there is harmless)."""
+    if rc == 0 and cxl_live_silent_since(A.L.live, t0):
+        return CXLRT_E_SUSPECT
+    return rc
+
+
 cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     """Take a free chunk for class c: table word under the lock, then header + bitmap."""
-    cdef uint64_t k = 0, base, i
-    cdef int rec = 0
-    cdef int rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    cdef uint64_t k = 0, base, i, t0 = 0
+    cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
     rc = _find_free_run(A, 1, &k)
+    if rc == 0:
+        rc = _fence(A, t0)  # k was free when we looked: only if the lock stayed ours
     if rc == 0:
         rc = _table_set(A, k, _word(KIND_SMALL, A.node, c))
     if rc == 0:
@@ -256,19 +315,26 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
 
 
 cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
-    """Give an empty small chunk of ours back to the table (header invalidated first)."""
-    cdef int rec = 0
-    cdef int rc = cxl_store64(A.r, _chunk_off(A, k), 0)
-    if rc == 0:
-        rc = cxl_persist(A.r, _chunk_off(A, k), 8)
-    if rc != 0:
-        return rc
-    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    """Give an empty small chunk of ours back to the table (header invalidated first).
+
+    CXLRT_E_FENCED leaves the chunk ours and intact: the header is invalidated only
+    once the lock is known to be ours, so a fenced-out release changes nothing.
+    """
+    cdef uint64_t t0 = 0
+    cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
     # Observe the whole line first: its other words belong to other chunks, and a
     # write-back of a stale copy would revert their owners' updates.
     rc = cxl_flush(A.r, A.table_off + k * 8, 8)
+    if rc == 0:
+        rc = _fence(A, t0)
+    if rc == 0:
+        rc = cxl_store64(A.r, _chunk_off(A, k), 0)
+    if rc == 0:
+        # Before the table frees it: a crash in between leaves a chunk of ours that was
+        # never carved, which `cxlrt check --repair` gives back.
+        rc = cxl_persist(A.r, _chunk_off(A, k), 8)
     if rc == 0:
         rc = _table_set(A, k, 0)
     if rc == 0:
@@ -348,21 +414,23 @@ cdef int _q_write(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t count,
     return rc
 
 
-cdef int _q_settle(cxl_allocctx* A, uint64_t q, uint64_t* head, uint64_t* count,
-                   uint64_t* seq) noexcept nogil:
-    """Allocator lock held: observe queue q and finish a detach its owner died in.
+cdef int _q_settle(cxl_allocctx* A, uint64_t q, uint64_t t0, uint64_t* head,
+                   uint64_t* count, uint64_t* seq, uint64_t* jword) noexcept nogil:
+    """Allocator lock held since t0: observe queue q and finish a detach its owner died in.
 
     A drain commits its batch to the owner's journal line (seq + 1) before it empties
     the queue line. If the journal's seq is not the queue's, the owner stopped in
     between: the list in the queue is the journal's now, so the queue is empty (we
-    write it so; idempotent). A head that cannot be an object is corrupt: the queue
-    restarts empty rather than have the owner follow it.
+    write it so; idempotent, and fenced like every write under the lock). A head that
+    cannot be an object is corrupt: the queue restarts empty rather than have the
+    owner follow it. *jword receives the journal word.
     """
     cdef uint64_t jw = 0
     # Observe the queue line (RQ_HEAD, RQ_COUNT, RQ_SEQ) and the owner's journal line.
     cdef int rc = _observe3(A, q, 128, head, count, seq)
     if rc == 0:
         rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+    jword[0] = jw
     if rc != 0:
         return rc
     seq[0] &= SEQ_MASK
@@ -372,7 +440,30 @@ cdef int _q_settle(cxl_allocctx* A, uint64_t q, uint64_t* head, uint64_t* count,
         return 0
     head[0] = 0
     count[0] = 0
-    return _q_write(A, q, 0, 0, seq[0])
+    rc = _fence(A, t0)
+    if rc == 0:
+        rc = _q_write(A, q, 0, 0, seq[0])
+    return rc
+
+
+cdef int _q_recheck(cxl_allocctx* A, uint64_t q, uint64_t t0, uint64_t head, uint64_t count,
+                    uint64_t seq, uint64_t jw) noexcept nogil:
+    """Right before we publish line 0 of queue q: 0 if it still holds (head, count, seq)
+    and the journal the batch seq of jw, as we left them, and we were not silent past
+    the lease since t0; else CXLRT_E_FENCED. Either failure means the lock may have had
+    another holder while we worked, who pushed or drained since: our values are stale.
+    Only the journal's seq is compared: its owner closes a batch (clears the offset)
+    under its heap mutex alone, but commits one (a new seq) only under the lock."""
+    cdef uint64_t h = 0, n = 0, s = 0, j = 0
+    # Observe both lines again (pairs with the other holder's _q_write and commit).
+    cdef int rc = _observe3(A, q, 128, &h, &n, &s)
+    if rc == 0:
+        rc = cxl_load64(A.r, q + RQ_JWORD, &j)
+    if rc != 0:
+        return rc
+    if h != head or n != count or (s & SEQ_MASK) != seq or (j >> 48) != (jw >> 48):
+        return CXLRT_E_FENCED
+    return _fence(A, t0)
 
 
 cdef inline bint _loops(uint64_t x, uint64_t* tortoise, uint64_t* power,
@@ -423,9 +514,15 @@ cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexce
 
 cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
                       uint64_t slot) noexcept nogil:
-    """Queue another node's object for its owner; never fails for lack of room."""
+    """Queue another node's object for its owner; never fails for lack of room.
+
+    CXLRT_E_FENCED: we stalled past the lease holding the lock and published nothing
+    (the object is still allocated: the free did not happen and may be retried).
+    CXLRT_E_SUSPECT: the stall came during the publish; the free may have happened.
+    """
     cdef uint64_t q, bm, bw = 0, head = 0, count = 0, seq = 0, nxt = 0, mark = 0, batch = 0
-    cdef int rc, rec = 0
+    cdef uint64_t t0 = 0, jw = 0
+    cdef int rc
     bm = _chunk_off(A, k) + 64 + (slot // 64) * 8  # the owner's bitmap word: still live?
     rc = cxl_flush(A.r, bm, 8)
     if rc == 0:
@@ -434,11 +531,11 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
         return rc
     if not (bw >> (slot % 64)) & 1:
         return CXLRT_E_DOUBLEFREE
-    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
     q = _queue(A, owner)
-    rc = _q_settle(A, q, &head, &count, &seq)
+    rc = _q_settle(A, q, t0, &head, &count, &seq, &jw)
     if rc == 0:
         rc = _link_read(A, off, &nxt, &mark, &batch)
     if rc == 0 and mark == (RFREE_PENDING ^ off) and _queued(A, q, head, off):
@@ -457,7 +554,12 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
     if rc == 0 and unlikely(_armed[0]):
         cxl_crash_hit(b"free.remote")
     if rc == 0:
-        rc = _q_write(A, q, off, count + 1, seq)
+        # Written from what we read under the lock: only if that is still the line.
+        # A fenced-out freer leaves a stale PENDING mark on an object on no list,
+        # which _queued tells from a queued one, so a retry of the free is accepted.
+        rc = _q_recheck(A, q, t0, head, count, seq, jw)
+    if rc == 0:
+        rc = _published(A, t0, _q_write(A, q, off, count + 1, seq))
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
 
@@ -550,7 +652,7 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         if rc != 0:
             break
         if h.current[empty_c[j]] != empty_k[j] + 1:
-            rc = _maybe_release(A, h, empty_k[j], empty_c[j])
+            rc = _kept(A, _maybe_release(A, h, empty_k[j], empty_c[j]))
     return rc
 
 
@@ -561,9 +663,15 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     lock: commit the queue's list to our journal as batch seq + 1, and only then empty
     the queue. Then apply the batch without the lock: the lock is held for a few line
     writes, however long the list.
+
+    A drainer that stalled past the lease under the lock (CXLRT_E_FENCED) stops before
+    the write it would have made from stale values: before the commit, nothing
+    changed; after it, the queue line still names the list and the journal holds it
+    as a batch whose seq is ahead of the queue's, which is the state of a drainer
+    killed there: whoever takes the lock next empties the queue (_q_settle), and our
+    next drain applies the batch. Frees pushed meanwhile stay on the queue.
     """
-    cdef uint64_t q = _queue(A, A.node), head = 0, count = 0, seq = 0, js
-    cdef int rec = 0
+    cdef uint64_t q = _queue(A, A.node), head = 0, count = 0, seq = 0, js, jw = 0, t0 = 0
     cdef int rc = _journal_apply(A, applied)
     if rc == 0:
         rc = cxl_flush(A.r, q, 64)  # peek without the lock
@@ -571,13 +679,15 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         rc = cxl_load64(A.r, q + RQ_HEAD, &head)
     if rc != 0 or head == 0:
         return rc
-    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
-    rc = _q_settle(A, q, &head, &count, &seq)
+    rc = _q_settle(A, q, t0, &head, &count, &seq, &jw)
     if rc == 0 and head != 0:
         js = (seq + 1) & SEQ_MASK
-        rc = cxl_store64(A.r, q + RQ_JCOUNT, count)
+        rc = _fence(A, t0)  # the list we observed is the whole queue only if so
+        if rc == 0:
+            rc = cxl_store64(A.r, q + RQ_JCOUNT, count)
         if rc == 0:
             rc = cxl_store64(A.r, q + RQ_JWORD, (js << 48) | head)
         if rc == 0:
@@ -585,7 +695,11 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         if rc == 0 and unlikely(_armed[0]):
             cxl_crash_hit(b"alloc.drain.detach")
         if rc == 0:
-            rc = _q_write(A, q, 0, 0, js)
+            # Emptying the queue drops whatever was pushed since we observed it: only
+            # if nothing was (the line is as we saw it) and the lock stayed ours.
+            rc = _q_recheck(A, q, t0, head, count, seq, (js << 48) | head)
+        if rc == 0:
+            rc = _published(A, t0, _q_write(A, q, 0, 0, js))
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
         rc = _journal_apply(A, applied)
@@ -720,12 +834,13 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
 
 cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexcept nogil:
     """A run of whole chunks, first fit, under the allocator lock."""
-    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, i
-    cdef int rec = 0
-    cdef int rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, i, t0 = 0
+    cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
     rc = _find_free_run(A, n, &k)
+    if rc == 0:
+        rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
     if rc == 0:
         for i in range(1, n):
             rc = _table_set(A, k + i, _word(KIND_TAIL, A.node, k))
@@ -745,9 +860,9 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
 
 cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     """Free any node's object: ours directly, others' through their queue, runs under the lock."""
-    cdef uint64_t k, w = 0, rel, slot, bw = 0, i, n, applied = 0
+    cdef uint64_t k, w = 0, rel, slot, bw = 0, i, n, applied = 0, t0 = 0
     cdef uint32_t c, owner
-    cdef int rc, rec = 0
+    cdef int rc
     cdef cxl_local_heap* h = A.heap
     if off < A.heap_off or off >= A.heap_off + A.nchunks * CHUNK:
         return -1001
@@ -760,7 +875,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     if _kind(w) == KIND_LARGE:
         if off != _chunk_off(A, k):
             return CXLRT_E_BADFREE
-        rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+        rc = _alloc_lock(A, &t0)
         if rc != 0:
             return rc
         rc = _table_observe(A, k, &w)  # again, under the lock: someone may have freed it
@@ -772,12 +887,14 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:  # observe every line we are about to rewrite (see _release_chunk)
             rc = cxl_flush(A.r, A.table_off + k * 8, n * 8)
         if rc == 0:
+            rc = _fence(A, t0)
+        if rc == 0:
             for i in range(n):
                 rc = _table_set(A, k + i, 0)
                 if rc != 0:
                     break
         if rc == 0:
-            rc = cxl_persist(A.r, A.table_off + k * 8, n * 8)
+            rc = _published(A, t0, cxl_persist(A.r, A.table_off + k * 8, n * 8))
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         return rc
     if _kind(w) != KIND_SMALL:
@@ -801,11 +918,21 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         cxl_crash_hit(b"free.local")
     rc = _clear_slot(A, k, c, slot, &bw)
     if rc == 0 and bw == 0 and h.current[c] != k + 1:
-        rc = _maybe_release(A, h, k, c)
+        rc = _kept(A, _maybe_release(A, h, k, c))
     A.ticks += 1
     if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
         _peek_drain(A)
     cxl_mutex_unlock(&h.m)
+    return rc
+
+
+cdef inline int _kept(cxl_allocctx* A, int rc) noexcept nogil:
+    """rc of giving back a chunk that a free or a drain just emptied: a release fenced
+    out by our own silence is no failure of theirs (their frees are done, on our own
+    bitmaps; the chunk stays ours, intact, for a later trim), and reporting one would
+    invite a retry of a free already done. Unless another life took our node over."""
+    if rc == CXLRT_E_FENCED and not cxl_live_fenced(A.L.live):
+        return 0
     return rc
 
 
@@ -866,6 +993,14 @@ _ERRORS = {
     CXLRT_E_DOUBLEFREE: (InvalidFreeError, "already free (double free)"),
     CXLRT_E_CORRUPT: (RegionError, "allocator metadata is corrupt (`cxlrt check`)"),
     -1001: (OutOfRangeError, "outside the heap"),
+    CXLRT_E_FENCED: (LeaseLost, "this process was silent for longer than the lease while "
+                     "it held the allocator lock (or its node was taken over), so another "
+                     "node may have held the lock since; it stopped before writing from what "
+                     "it had read: not done (a free may be retried)"),
+    CXLRT_E_SUSPECT: (LeaseLost, "this process was silent for longer than the lease while "
+                      "it published under the allocator lock; the write may have overlapped "
+                      "another node's hold: not acknowledged, and it may have taken effect "
+                      "(do not retry a free; `cxlrt check` tells what the heap holds)"),
 }
 
 

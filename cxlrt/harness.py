@@ -81,16 +81,6 @@ BACKENDS = {
 # (point, mode, backend pattern) -> what goes wrong. They stay in the matrix and
 # show as "known" (or "xpass" when they pass) without failing the run.
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("free.remote", "stop", "*"): (
-        "a remote freer stalled past its lease holding the allocator lock resumes and "
-        "publishes the owner's queue line from values read before the stall (_free_remote "
-        "-> _q_write, unfenced): frees other nodes queued meanwhile are dropped, and its own "
-        "acknowledged free is lost if the owner drained meanwhile (_q_settle empties a queue "
-        "whose seq is behind the journal's); leaks of acknowledged frees (alloc.pyx)"),
-    ("alloc.drain.detach", "stop", "*"): (
-        "a drainer stalled past its lease between committing its batch and emptying its "
-        "queue (_drain_locked) resumes and writes the queue line empty, dropping the remote "
-        "frees other nodes queued during the stall: a leak of acknowledged frees (alloc.pyx)"),
     ("kv.pin", "kill", "*"): (
         "a reader killed with its pins raised, as its node's only process, leaves its "
         "node's pin words up for good: KVCache._pinned counts every node's pin word "

@@ -131,6 +131,9 @@ def cmd_lockmgr(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from cxlrt.serving import vllm_demo
+        return vllm_demo.main(args)
     from cxlrt import demo
     given = {k: v for k, v in vars(args).items() if k in DEMO_OPTIONS and v is not None}
     cfg = demo.DemoConfig.quick(**given) if args.quick else demo.DemoConfig(**given)
@@ -276,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run cxlrt mode on this region instead of a fresh emu: file in /dev/shm, "
                         "e.g. file:/dev/shm/rack0, numa:auto/rack0, dax:/dev/dax0.0; it is "
                         "formatted (its contents are lost)")
+    d.add_argument("--engine", choices=("toy", "vllm"), default="toy",
+                   help="toy: the demo's own tiny transformer (default); vllm: real vLLM engines, "
+                        "no connector vs vLLM's ExampleConnector vs cxlrt (needs the vllm extra; "
+                        "takes -C, -T, --system-tokens, --user-tokens, --new-tokens, --seed, "
+                        "--quick, --json)")
     d.add_argument("--quick", action="store_true",
                    help="a small workload that runs in seconds (for tests and a first look)")
     d.add_argument("--json", action="store_true",

@@ -11,23 +11,33 @@ from __future__ import annotations
 import argparse
 import json
 import select
+import warnings
 
 import pytest
 
-pytest.importorskip("lmcache", reason="the LMCache L2 adapter needs `pip install cxlrt[lmcache]`")
+from tests.engines import require  # noqa: E402
+
+require("lmcache", "the LMCache L2 adapter needs `pip install --no-deps lmcache==0.5.6 && "
+        "pip install cxlrt[lmcache]` (.ci/lmcache-tests does both)")
 torch = pytest.importorskip("torch")
 
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
-from lmcache.v1.memory_management import (  # noqa: E402
-    MemoryFormat,
-    MemoryObjMetadata,
-    TensorMemoryObj,
-)
-from lmcache.v1.platform import consume_fd  # noqa: E402
+# LMCache's logger warns at import when opentelemetry-sdk is installed (vLLM brings it).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
+    from lmcache.v1.memory_management import (  # noqa: E402
+        MemoryFormat,
+        MemoryObjMetadata,
+        TensorMemoryObj,
+    )
+    from lmcache.v1.platform import consume_fd  # noqa: E402
 
+    from cxlrt.integrations.lmcache import HEADER, CxlrtL2Adapter, object_key  # noqa: E402
 from cxlrt.heapscan import footprint  # noqa: E402
-from cxlrt.integrations.lmcache import HEADER, CxlrtL2Adapter, object_key  # noqa: E402
 from tests.nodes import raise_failures, run_procs  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*LoggingHandler.*:DeprecationWarning")
 
 LAYOUT = {0: MemoryLayoutDesc(shapes=[], dtypes=[])}
 MAX_OBJECT = 8192

@@ -5,7 +5,10 @@ Llama with fixed random weights; every engine of this file shares one region in
 /dev/shm, each as its own node. Engines are shared across tests where one run
 answers several questions (an engine takes ~20 s to start on two cores).
 Scheduler-side unit tests drive the connector's scheduler half with vLLM's own
-Request and KVCacheBlocks objects over every backend.
+Request and KVCacheBlocks objects over every backend, and inside vLLM's own
+Scheduler (partial hits, hits shorter than a block, failed loads, preempted and
+aborted requests; no pin outlives its request). Without vLLM the file skips,
+unless CXLRT_REQUIRE_ENGINES=1 (.ci/engine-tests), where that is an error.
 """
 
 import json
@@ -17,7 +20,9 @@ import uuid
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+from tests.engines import require  # noqa: E402
+
+require("vllm", "vLLM is not installed (bash .ci/install-vllm)")
 
 import cxlrt  # noqa: E402
 
@@ -59,10 +64,17 @@ Q = _prompts(2, 2, 0, 150)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def tiny_model(tmp_path_factory):
+    """(work folder, model folder): the tiny random-weight Llama every engine runs."""
     tmp = str(tmp_path_factory.mktemp("vllm"))
     model = os.path.join(tmp, "model")
     _job(tmp, "model", {"make_model": True, "model": model})
+    return tmp, model
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model):
+    tmp, model = tiny_model
     spec = f"file:/dev/shm/cxlrt-vllm-test-{uuid.uuid4().hex[:8]}"
     base = _job(tmp, "baseline", {"model": model, "rounds": [{"prompts": P}, {"prompts": Q}]})
     yield {"tmp": tmp, "model": model, "spec": spec, "base": base}
@@ -369,3 +381,234 @@ def test_loads_past_the_time_budget_are_recomputed(worker):
     src.wait_for_save(save)
     dst.start_load_kv(load)
     assert dst.take_invalid() == {1, 2} and dst.counters["loaded_blocks"] == 0
+
+
+# --- scheduler side, inside vLLM's own Scheduler ---------------------------------------------
+#
+# vLLM's v1 Scheduler builds the connector itself from a KVTransferConfig and calls every
+# scheduler hook in its own order (lookup, allocation, metadata, preemption, abort,
+# finish). The model runner is played by `VllmScheduler.step`: it samples one token for a
+# request whose prompt is done, stores each planned save as cxlrt blocks, and reports the
+# planned loads as done (or failed) through the connector's worker metadata.
+
+class VllmScheduler:
+    """vLLM's Scheduler with a CxlrtConnector on a fresh region, and a stand-in worker."""
+
+    def __init__(self, model: str, spec: str, num_blocks: int):
+        import torch
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+        cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+        cache_config.num_gpu_blocks = num_blocks
+        vc = VllmConfig(
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32",
+                                     max_model_len=1024, seed=0),
+            cache_config=cache_config, device_config=DeviceConfig("cpu"),
+            scheduler_config=SchedulerConfig(max_model_len=1024, max_num_seqs=8,
+                                             max_num_batched_tokens=2048,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="CxlrtConnector", kv_connector_module_path="cxlrt.integrations.vllm",
+                kv_role="kv_both",
+                kv_connector_extra_config={"spec": spec, "size": "64M", "name": "sched"}))
+        # The tiny Llama's geometry: 2 layers of 2 KV heads of 64 (float32).
+        attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                                 dtype=torch.float32)
+        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], attn)])
+        hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.s = Scheduler(vc, kvc, StructuredOutputManager(vc), block_size=BLOCK)
+        self.side = self.s.connector.scheduler
+        self.cache = self.s.connector.caches[0]
+        self.loads: dict[str, list[int]] = {}   # req id -> block ids of every planned load
+
+    def add(self, rid: str, tokens: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+        self.s.add_request(Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens,
+                                                                     ignore_eos=True),
+                                   None, block_hasher=self.hasher))
+
+    def seed(self, tokens: list[int], nblocks: int) -> list[bytes]:
+        """Put the first nblocks of `tokens` in cxlrt, as another engine would have."""
+        keys = self.cache.block_hashes(tokens[:nblocks * BLOCK])
+        assert self.cache.store(keys, bytes(nblocks * self.cache.block_bytes)) == keys
+        return keys
+
+    def schedule(self):
+        out = self.s.schedule()
+        for m in out.kv_connector_metadata.loads:
+            self.loads.setdefault(m.req_id, []).extend(m.block_ids)
+        return out
+
+    def finish_step(self, out, *, fail: frozenset[int] = frozenset()):
+        """The model runner's part of one step: saves, load reports, sampled tokens."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        from cxlrt.integrations.vllm_meta import CxlrtWorkerMetadata
+        meta = out.kv_connector_metadata
+        for m in meta.saves:
+            self.cache.store(m.keys[0], bytes(len(m.block_ids) * self.cache.block_bytes))
+        loaded = {m.req_id for m in meta.loads}
+        ids = list(out.num_scheduled_tokens)
+        reqs = self.s.requests
+        sampled = [[7] if r in reqs and reqs[r].num_computed_tokens >= reqs[r].num_tokens
+                   else [] for r in ids]
+        self.s.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                kv_connector_worker_meta=CxlrtWorkerMetadata(loaded) if loaded else None,
+                invalid_block_ids=set(fail))))
+
+    def step(self, **kw):
+        out = self.schedule()
+        self.finish_step(out, **kw)
+        return out
+
+    def run(self, steps: int = 400) -> None:
+        for _ in range(steps):
+            if not self.s.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests still unfinished")
+
+    def unpinned(self, keys: list[bytes]) -> bool:
+        """No node holds a pin on these blocks: every one of them can be deleted."""
+        return self.cache.delete(keys) == keys
+
+    def close(self) -> None:
+        self.s.shutdown()
+
+
+@pytest.fixture
+def vsched(tiny_model):
+    spec = f"file:/dev/shm/cxlrt-vllm-sched-{uuid.uuid4().hex[:8]}"
+    made = []
+
+    def make(num_blocks=64):
+        made.append(VllmScheduler(tiny_model[1], spec, num_blocks))
+        return made[-1]
+    yield make
+    for m in made:
+        m.close()
+    try:
+        os.unlink(spec.split(":", 1)[1])
+    except FileNotFoundError:
+        pass
+
+
+def _new(out, rid):
+    return next(r for r in out.scheduled_new_reqs if r.req_id == rid)
+
+
+def test_vllm_scheduler_partial_hit_loads_only_past_vllms_own_hit(vsched):
+    v = vsched()
+    keys = v.seed(TOKENS, 3)
+    v.add("b", TOKENS[:40], 1)             # leaves block 0 in vLLM's own prefix cache
+    v.run()
+    v.add("a", TOKENS, 2)
+    out = v.schedule()
+    a = _new(out, "a")
+    # vLLM's cache has block 0; cxlrt adds blocks 1 and 2; the rest is computed.
+    assert a.num_computed_tokens == 3 * BLOCK
+    assert out.num_scheduled_tokens["a"] == len(TOKENS) - 3 * BLOCK
+    assert v.loads["a"] == list(a.block_ids[0][1:3])
+    assert v.side.held() == 1              # pinned until the worker reports the load
+    v.finish_step(out)
+    assert v.side.held() == 0
+    v.run()
+    assert v.side.held() == 0 and v.unpinned(keys)
+
+
+def test_vllm_scheduler_a_failed_load_is_recomputed(vsched):
+    v = vsched()
+    keys = v.seed(TOKENS, 3)
+    v.add("a", TOKENS, 1)
+    out = v.schedule()
+    assert _new(out, "a").num_computed_tokens == 3 * BLOCK
+    v.finish_step(out, fail=frozenset(v.loads["a"][1:]))  # blocks 1 and 2 did not arrive
+    # vLLM rolls the request back to the first bad block and computes from there.
+    out = v.schedule()
+    assert v.s.requests["a"].num_computed_tokens == len(TOKENS)
+    assert out.num_scheduled_tokens["a"] == len(TOKENS) - BLOCK
+    v.finish_step(out)
+    v.run()
+    assert v.side.held() == 0 and v.unpinned(keys)
+
+
+def test_vllm_scheduler_hits_shorter_than_one_block_load_nothing(vsched):
+    v = vsched()
+    keys = v.seed(TOKENS, 3)
+    v.add("short", TOKENS[:BLOCK - 5] + [999] * 40, 1)  # 27 shared tokens: no whole block
+    v.add("one", TOKENS[:BLOCK], 1)                       # its one block holds the last token
+    out = v.schedule()
+    assert _new(out, "short").num_computed_tokens == 0
+    assert _new(out, "one").num_computed_tokens == 0
+    assert not out.kv_connector_metadata.loads and v.side.held() == 0
+    v.finish_step(out)
+    v.run()
+    assert v.side.held() == 0 and v.unpinned(keys)
+
+
+def test_vllm_scheduler_preempted_requests_leave_no_pins(vsched):
+    v = vsched(num_blocks=10)                # 9 usable: two 4-block prompts, then one more
+    r1 = TOKENS[:100]
+    r2 = [t + 500 for t in TOKENS[:100]]
+    k1, k2 = v.seed(r1, 3), v.seed(r2, 3)
+    v.add("r1", r1, 40)
+    v.add("r2", r2, 40)
+    out = v.step()
+    assert {m.req_id for m in out.kv_connector_metadata.loads} == {"r1", "r2"}
+    preempted = set()
+    for _ in range(200):
+        out = v.step()
+        preempted |= set(out.preempted_req_ids or ())
+        if preempted:
+            assert v.side.held() == 0      # a preempted request holds nothing
+        if not v.s.has_requests():
+            break
+    assert preempted, "nothing was preempted: the test did not test preemption"
+    assert not v.s.requests and v.side.held() == 0  # both finished after the preemption
+    assert v.side.reqs == {} and v.side.inflight == {}
+    assert v.unpinned(k1) and v.unpinned(k2)
+
+
+def test_vllm_scheduler_aborted_requests_leave_no_pins(vsched):
+    from vllm.v1.request import RequestStatus
+    v = vsched(num_blocks=10)
+    keys = v.seed(TOKENS, 3)
+    v.add("big", [t + 500 for t in range(8 * BLOCK + 5)], 100)  # takes all 9 blocks
+    v.step()
+    # "waits" is looked up (a pinned hit) but finds no free block: it stays waiting.
+    v.add("waits", TOKENS, 1)
+    v.step()
+    assert v.s.requests["waits"].status == RequestStatus.WAITING
+    assert v.side.held() == 1
+    v.s.finish_requests(["waits", "big"], RequestStatus.FINISHED_ABORTED)
+    assert v.side.held() == 0
+    # Aborted between the scheduler's plan and the worker's report of the load.
+    v.add("loads", TOKENS, 1)
+    out = v.schedule()
+    assert v.loads["loads"] and v.side.held() == 1
+    v.s.finish_requests("loads", RequestStatus.FINISHED_ABORTED)
+    v.finish_step(out)
+    assert v.side.held() == 0 and v.side.reqs == {} and v.side.inflight == {}
+    assert v.unpinned(keys)

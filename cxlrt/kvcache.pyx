@@ -52,6 +52,27 @@ Quarantine
     one chunk copy for longer than lease + 8 leases, and then resumes; it writes
     at most the rest of that chunk (KV_COPY_CHUNK bytes) before its next check.
 
+Pins of a node that is gone
+    A node's pin words are written only by that node, so only it gives its pins
+    back (at close, and for its dead processes at its next attach, pin or
+    eviction). Eviction and delete therefore count a node's pins only while the
+    liveness module judges the node alive: a non-zero pin word of a node that is
+    detached, never attached, or dead (its counter still for a lease on our
+    clock) is void. The node state is read in that slow path only, and only for
+    non-zero pin words; lookups and pins are unchanged. A payload evicted despite
+    void pins is not freed: a record (KV_REC_TAKE, then KV_REC_QUARANTINE, its
+    `where` KV_PIN_WHERE and its `start` the mask of those nodes) keeps it until
+    each of them is detached or never attached, or alive again with no pin on
+    the slot (its hits of the payload are released), or dead for
+    KV_QUARANTINE_LEASES leases from our first look. Its header is zeroed just
+    before it is freed, so a stalled reader that resumes and loads its old hit
+    fails the header check (LeaseLost: the entry moved on) whatever the memory
+    holds by then. When the node attaches the cache again, its PinTable gives
+    back its dead processes' records (or clears its pin words: a fresh table),
+    so the old pins are not counted twice; a resumed process's own stale pin on
+    a reused slot holds the new block until it releases its hit (too many pins,
+    never too few).
+
 Records
     Every payload leaves an entry through a record written before the entry's
     tombstone (KV_REC_EVICT: free it; KV_REC_TAKE: quarantine it). The next lock
@@ -928,7 +949,7 @@ cdef class KVCache:
         Gives back pins held by this node's dead processes (a node's pins are
         written only by the node itself, so each node heals its own; this also
         runs at attach, at a process's first pin, and when eviction finds nothing
-        to evict), then, under the cache lock, finishes interrupted evictions,
+        to evict; meanwhile eviction treats the pins of a gone node as void), then, under the cache lock, finishes interrupted evictions,
         releases quarantined payloads whose writer has stopped, and retries
         frees that failed (store() does the same).
         """
@@ -1599,7 +1620,8 @@ cdef class KVCache:
 
     cdef int _ack(self, uint64_t off, uint64_t gen) except -1:
         """We stopped writing a payload another node took from us: give it back.
-        Only if a record still names it (else it was released and may be reused)."""
+        Only if a record still names it (else it was released and may be reused);
+        never one kept for void pins (readers, not a writer, may still use it)."""
         cdef kv_claim c
         cdef uint64_t i
         cdef uint32_t kind
@@ -1607,7 +1629,7 @@ cdef class KVCache:
             self._rec_get(i, &c)
             kind = _kind(&c)
             if (_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
-                    and c.off == off and c.epoch == gen):
+                    and c.off == off and c.epoch == gen and c.where != KV_PIN_WHERE):
                 if kind == KV_REC_TAKE:
                     self._add_occupancy(-1, -<long long>self.block_bytes)
                 return self._give_back(i, off)

@@ -81,15 +81,6 @@ BACKENDS = {
 # (point, mode, backend pattern) -> what goes wrong. They stay in the matrix and
 # show as "known" (or "xpass" when they pass) without failing the run.
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("kv.pin", "kill", "*"): (
-        "a reader killed with its pins raised, as its node's only process, leaves its "
-        "node's pin words up for good: KVCache._pinned counts every node's pin word "
-        "whatever that node's liveness, and only the node itself gives pins back "
-        "(PinTable.recover at its next attach or eviction), so the blocks it pinned are "
-        "never evicted or deleted until the node attaches the cache again (a dead host's "
-        "pins block eviction for ever). A fix: treat pins of a node that is detached, or "
-        "dead for a lease, as void, and quarantine (KV_REC_TAKE naming that node) the "
-        "payloads so evicted, since a stalled node may resume and read (kvcache.pyx)"),
 }
 
 

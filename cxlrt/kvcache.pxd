@@ -37,6 +37,13 @@
 #  - Eviction marks an entry EVICTING, fences, then reads every node's pin; a
 #    reader pins, fences, then re-reads the entry. One of the two sees the other
 #    (store-fence-load on both sides), so a pinned payload is never freed.
+#  - Pins count only while their node is alive (cxlrt/liveness.pyx): the pins of
+#    a detached, dead or never-attached node are void to eviction and delete. A
+#    payload evicted despite void pins is quarantined (KV_REC_TAKE, then
+#    KV_REC_QUARANTINE; `where` is KV_PIN_WHERE, in kvcache.pyx, and `start` the
+#    mask of those nodes), since a stalled node may resume and read it; its header
+#    is wiped before it is freed, so a stale hit's load fails its header check
+#    after any reuse.
 from libc.stdint cimport uint64_t
 
 
@@ -76,8 +83,10 @@ ctypedef struct kv_claim:      # a claim line, and a record (same line format)
     uint64_t epoch             # the slot generation the payload belongs (belonged) to
     uint64_t slot
     uint64_t inc               # incarnation of the writer's node when it claimed
-    uint64_t start             # the writer process's start time (clock ticks after boot)
-    uint64_t where             # hash of the writer's boot id and pid namespace
+    uint64_t start             # the writer process's start time (clock ticks after boot);
+                               # for void pins: the mask of the nodes whose pins were void
+    uint64_t where             # hash of the writer's boot id and pid namespace, or
+                               # KV_PIN_WHERE: a payload evicted despite void pins
     uint64_t check             # mix of the words above; 0 for an all-zero line
 
 

@@ -52,6 +52,27 @@ Quarantine
     one chunk copy for longer than lease + 8 leases, and then resumes; it writes
     at most the rest of that chunk (KV_COPY_CHUNK bytes) before its next check.
 
+Pins of a node that is gone
+    A node's pin words are written only by that node, so only it gives its pins
+    back (at close, and for its dead processes at its next attach, pin or
+    eviction). Eviction and delete therefore count a node's pins only while the
+    liveness module judges the node alive: a non-zero pin word of a node that is
+    detached, never attached, or dead (its counter still for a lease on our
+    clock) is void. The node state is read in that slow path only, and only for
+    non-zero pin words; lookups and pins are unchanged. A payload evicted despite
+    void pins is not freed: a record (KV_REC_TAKE, then KV_REC_QUARANTINE, its
+    `where` KV_PIN_WHERE and its `start` the mask of those nodes) keeps it until
+    each of them is detached or never attached, or alive again with no pin on
+    the slot (its hits of the payload are released), or dead for
+    KV_QUARANTINE_LEASES leases from our first look. Its header is zeroed just
+    before it is freed, so a stalled reader that resumes and loads its old hit
+    fails the header check (LeaseLost: the entry moved on) whatever the memory
+    holds by then. When the node attaches the cache again, its PinTable gives
+    back its dead processes' records (or clears its pin words: a fresh table),
+    so the old pins are not counted twice; a resumed process's own stale pin on
+    a reused slot holds the new block until it releases its hit (too many pins,
+    never too few).
+
 Records
     Every payload leaves an entry through a record written before the entry's
     tombstone (KV_REC_EVICT: free it; KV_REC_TAKE: quarantine it). The next lock
@@ -79,8 +100,9 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_dma_read, cx
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
 from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
-from cxlrt.liveness cimport (CXL_LIVE_DEAD, CXL_LIVE_DETACHED, CXL_LIVE_NEVER,
-                             cxl_live_silent_since, cxl_node_state)
+from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
+                             CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
+                             cxl_node_state)
 from cxlrt.lock cimport CXLRT_E_FENCED, cxl_lockctx
 from cxlrt.region cimport Region
 
@@ -98,6 +120,9 @@ cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01" (the version word says 
 cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
 cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
 cdef uint64_t STATS_WORDS = 8
+# A record's `where` for a payload evicted despite void pins: no writer, the nodes
+# that pinned it (mask in `start`). A _where_hash() never equals it by chance.
+cdef uint64_t KV_PIN_WHERE = 0x534E4950444956   # "VIDPINS"
 cdef int* _armed = cxl_crash_armed_ptr()
 
 
@@ -199,6 +224,14 @@ cdef inline uint32_t _cnode(const kv_claim* c) noexcept nogil:
 
 cdef inline uint64_t _cpid(const kv_claim* c) noexcept nogil:
     return c.tag >> 24
+
+
+cdef inline uint32_t _lowest(uint64_t mask) noexcept nogil:
+    """Index of the lowest set bit of a non-zero mask."""
+    cdef uint32_t j = 0
+    while not (mask >> j) & 1:
+        j += 1
+    return j
 
 
 cdef inline bint _holds(const kv_entry* e) noexcept nogil:
@@ -756,6 +789,8 @@ cdef class KVCache:
                     self._add_occupancy(-1, -<long long>self.block_bytes)
             elif kind == KV_REC_QUARANTINE:
                 if self._released(i, &c):
+                    if c.where == KV_PIN_WHERE:
+                        self._wipe_header(c.off)
                     self._give_back(i, c.off)
             else:
                 self._give_back(i, c.off)
@@ -770,6 +805,8 @@ cdef class KVCache:
         key = (i, c.off, c.epoch)
         if node >= self._nodes:
             return True
+        if c.where == KV_PIN_WHERE:
+            return self._pins_released(key, c)
         if c.where == _where_hash() and not self._foreign:  # its process decides
             if process_alive(_cpid(c), c.start):
                 return False  # alive, maybe stopped: it may resume, so it keeps the memory
@@ -791,6 +828,63 @@ cdef class KVCache:
             return False
         self._doomed.pop(key, None)
         return False
+
+    cdef bint _pins_released(self, object key, const kv_claim* c) except -1:
+        """Whether no node whose void pins let payload `c` go can still read it through
+        a hit: each is detached or never attached; or alive with no pin left on the
+        slot (its hits of the payload are released; a later pin there is on another
+        payload); or, for those still dead, dead on our clock for KV_QUARANTINE_LEASES
+        leases from our first look (a dead host must not hold memory for ever; a
+        stalled one that resumes then fails its load's header check)."""
+        cdef uint64_t mask = c.start, w = 0, at, now
+        cdef uint32_t j
+        cdef int st, rc
+        cdef bint dead = False
+        for j in range(min(self._nodes, <uint64_t>CXL_LIVE_MAX_NODES)):
+            if not (mask >> j) & 1:
+                continue
+            with nogil:
+                st = cxl_node_state(self.L.live, j)
+            if st == CXL_LIVE_DETACHED or st == CXL_LIVE_NEVER:
+                continue
+            if st == CXL_LIVE_ALIVE:
+                if c.slot < self.slots:
+                    at = self._pt.at(j, c.slot)
+                    with nogil:
+                        rc = cxl_flush(self.r, at, 8)
+                        if rc == 0:
+                            rc = cxl_load64(self.r, at, &w)
+                    self._io(rc, "records")
+                    if w & KV_PIN_MAX:
+                        self._doomed.pop(key, None)  # back and pinning: not dead throughout
+                        return False
+                continue
+            dead = True
+        if not dead:
+            self._doomed.pop(key, None)
+            return True
+        now = cxl_now_ns()
+        if len(self._doomed) > 4 * self._nrec:
+            self._doomed.clear()
+        since = self._doomed.setdefault(key, now)
+        if now - <uint64_t>since >= KV_QUARANTINE_LEASES * self._lease_ns:
+            self._doomed.pop(key, None)
+            return True
+        return False
+
+    cdef int _wipe_header(self, uint64_t off) except -1:
+        """Zero a quarantined payload's header before it is freed: a stale hit's load
+        that checks it after this fails, whatever the memory is reused for."""
+        cdef uint64_t h[8]
+        cdef int rc
+        if self._fenced():
+            self._raise(CXLRT_E_FENCED, "free")
+        if off % 64 or off < self._heap_lo or off + KV_PAYLOAD_HDR > self._heap_hi:
+            return 0  # not a payload offset (a corrupt record): nothing to wipe
+        memset(h, 0, sizeof(h))
+        with nogil:
+            rc = cxl_dma_write(self.r, off, h, 64)
+        return self._io(rc, "free")
 
     # --- judging a writer ------------------------------------------------------------------
 
@@ -855,7 +949,7 @@ cdef class KVCache:
         Gives back pins held by this node's dead processes (a node's pins are
         written only by the node itself, so each node heals its own; this also
         runs at attach, at a process's first pin, and when eviction finds nothing
-        to evict), then, under the cache lock, finishes interrupted evictions,
+        to evict; meanwhile eviction treats the pins of a gone node as void), then, under the cache lock, finishes interrupted evictions,
         releases quarantined payloads whose writer has stopped, and retries
         frees that failed (store() does the same).
         """
@@ -1036,6 +1130,24 @@ cdef class KVCache:
             return CXLRT_E_KVCORRUPT
         return 0
 
+    cdef int _raise_stale(self, Hit hit, uint64_t i, int rc, str what) except -1:
+        """Raise for a failed check of a hit's block i: LeaseLost when its entry no
+        longer holds that payload (the pins were void: this node was judged dead or
+        detached while the hit was held), else the error `rc` names."""
+        cdef kv_entry e
+        cdef int rr
+        if rc == CXLRT_E_KVCORRUPT:
+            with nogil:
+                rr = self._read(hit.slots[i], &e)
+            if rr == 0 and not ((_state(&e) == KV_READY or _state(&e) == KV_EVICTING)
+                                and _gen(&e) == hit.gens[i] and e.off == hit.offs[i]):
+                raise LeaseLost(
+                    f"KV cache {self.name!r}: {what}: block {i} of this hit was evicted: "
+                    "this node was silent for longer than the "
+                    f"{self.region.lease_ms / 1000.0:g} s lease (or left the region), so "
+                    "its pins no longer counted. Release the hit and look the keys up again")
+        return self._raise(rc, what)
+
     def load(self, Hit hit not None, out=None, *, start=0):
         """Copy the hit's blocks ``[start:]`` into `out` and return it.
 
@@ -1083,7 +1195,7 @@ cdef class KVCache:
             finally:
                 self.region._busy -= 1
             if rc != 0:
-                self._raise(rc, "load")
+                self._raise_stale(hit, first + i, rc, "load")
         memset(st, 0, sizeof(st))
         st[7] = n * bb
         with nogil:
@@ -1127,7 +1239,7 @@ cdef class KVCache:
                 if rc == 0 and not self.r.caps & CXL_CAP_COHERENT:
                     rc = cxl_flush(self.r, hit.offs[i] + KV_PAYLOAD_HDR, self.block_bytes)
             if rc != 0:
-                self._raise(rc, "views")
+                self._raise_stale(hit, i, rc, "views")
             out.append(self.region.view(hit.offs[i] + KV_PAYLOAD_HDR,
                                         self.block_bytes).toreadonly())
         return out
@@ -1508,7 +1620,8 @@ cdef class KVCache:
 
     cdef int _ack(self, uint64_t off, uint64_t gen) except -1:
         """We stopped writing a payload another node took from us: give it back.
-        Only if a record still names it (else it was released and may be reused)."""
+        Only if a record still names it (else it was released and may be reused);
+        never one kept for void pins (readers, not a writer, may still use it)."""
         cdef kv_claim c
         cdef uint64_t i
         cdef uint32_t kind
@@ -1516,7 +1629,7 @@ cdef class KVCache:
             self._rec_get(i, &c)
             kind = _kind(&c)
             if (_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
-                    and c.off == off and c.epoch == gen):
+                    and c.off == off and c.epoch == gen and c.where != KV_PIN_WHERE):
                 if kind == KV_REC_TAKE:
                     self._add_occupancy(-1, -<long long>self.block_bytes)
                 return self._give_back(i, off)
@@ -1539,10 +1652,15 @@ cdef class KVCache:
 
     # --- occupancy and eviction ----------------------------------------------------------
 
-    cdef int _pinned(self, uint64_t s, uint64_t* recency_ms) noexcept nogil:
-        """1 if any node pins slot s, else 0; recency_ms gets the latest use."""
+    cdef int _pinned(self, uint64_t s, uint64_t* recency_ms, uint64_t* gone) noexcept nogil:
+        """1 if a node whose pins count pins slot s, else 0; recency_ms gets the latest
+        use. Pins count while their node is alive (ours always): a non-zero pin word
+        of a node the liveness module judges detached, dead or never attached is void,
+        and `gone` gets the mask of those nodes (eviction slow path only: the node
+        state is read only for a non-zero pin word of another node)."""
         cdef uint64_t j, w = 0, at
         cdef int rc, pinned = 0
+        gone[0] = 0
         for j in range(self._nodes):
             at = self._pt.at(j, s)
             rc = cxl_flush(self.r, at, 8)
@@ -1551,7 +1669,11 @@ cdef class KVCache:
             if rc != 0:
                 return rc
             if w & KV_PIN_MAX:
-                pinned = 1
+                if (j == self._node or j >= CXL_LIVE_MAX_NODES
+                        or cxl_node_state(self.L.live, <uint32_t>j) == CXL_LIVE_ALIVE):
+                    pinned = 1
+                else:
+                    gone[0] |= <uint64_t>1 << j
             if (w >> 16) > recency_ms[0]:
                 recency_ms[0] = w >> 16
         return pinned
@@ -1564,7 +1686,7 @@ cdef class KVCache:
         """
         cdef kv_entry e
         cdef kv_claim c
-        cdef uint64_t s, rec
+        cdef uint64_t s, rec, gone
         cdef int rc, verdict
         cdef list cands = []
         used = 0
@@ -1585,7 +1707,7 @@ cdef class KVCache:
                 continue
             rec = e.stamp_ns // 1000000  # an LRU hint: clocks of hosts may disagree
             with nogil:
-                rc = self._pinned(s, &rec)
+                rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 self._raise(rc, "evict")
             if rc == 0 or self._ignore_pins:
@@ -1609,7 +1731,7 @@ cdef class KVCache:
     def _evict_one(self, uint64_t s, int verdict):
         cdef kv_entry e
         cdef kv_claim c
-        cdef uint64_t rec = 0, gen
+        cdef uint64_t rec = 0, gen, gone = 0
         cdef int rc
         with nogil:
             rc = self._read(s, &e)
@@ -1632,7 +1754,7 @@ cdef class KVCache:
             with nogil:
                 rc = self._write(s, &e)  # ends with a full fence: then read the pins
                 if rc == 0:
-                    rc = self._pinned(s, &rec)
+                    rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 self._raise(rc, "evict")
             if rc == 1 and not self._ignore_pins:  # a reader pinned it meanwhile: it stays
@@ -1645,7 +1767,16 @@ cdef class KVCache:
             if not self._payload_ok(&e):
                 self._bad_slot = s
                 self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if not self._bury(s, &e, KV_REC_EVICT, NULL, "evict"):
+            if gone and not self._ignore_pins and not self._no_quarantine:
+                # Pins of nodes judged gone: a stalled one may resume and read through
+                # them, so the payload is quarantined under their names, not freed.
+                memset(&c, 0, 64)
+                c.tag = <uint64_t>_lowest(gone) << 8
+                c.start = gone
+                c.where = KV_PIN_WHERE
+                if not self._bury(s, &e, KV_REC_TAKE, &c, "evict"):
+                    return False  # no record line free: it stays (EVICTING reads as a miss)
+            elif not self._bury(s, &e, KV_REC_EVICT, NULL, "evict"):
                 return False  # no record line free: it stays (EVICTING reads as a miss)
         cdef uint64_t st[8]
         memset(st, 0, sizeof(st))

@@ -472,3 +472,187 @@ def test_a_process_stalled_at_a_kv_crash_point_past_the_lease(backend, point, ke
     keep(backend.open(1))._allocator.drain()
     assert _live_objects(r) == base + len(c.entries()), "a payload leaked"
     assert all(e["state"] == "ready" for e in c.entries())
+
+
+# --- pins of a node that is gone ---------------------------------------------------------
+
+def _pins_of(r, node):
+    """Pins node `node` holds on the region's KV cache, as its pin words say."""
+    dir_off = r.sections["directory"][0]
+    return cxlrt.kvcache.describe(r, dir_off)[0]["pins_by_node"][node]
+
+
+def _delete_until(c, keys, deadline_s):
+    """delete() until every key is gone; returns the seconds it took."""
+    t0 = time.monotonic()
+    left = list(keys)
+    while left:
+        for k in c.delete(left):
+            left.remove(k)
+        for k in list(left):  # evicted by someone else meanwhile counts too
+            with c.lookup([k]) as hit:
+                if not len(hit):
+                    left.remove(k)
+        if not left:
+            break
+        assert time.monotonic() - t0 < deadline_s, \
+            f"{len(left)} of {len(keys)} pinned keys could not be deleted in {deadline_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def _pin_and_wait(spec, node, keys, q_go, q):
+    """Pin `keys` on node `node`; then, per command: die with the pins raised, or load
+    the hit and say whether its bytes were the pinned blocks."""
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=8)
+    hit = c.lookup(keys)
+    q.put(("pinned", len(hit)))
+    cmd = q_go.get()
+    if cmd == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        out = c.load(hit)
+        same = [out[i].tobytes() == block_for(k) for i, k in enumerate(keys)]
+        res = ("loaded", same, "")
+    except Exception as e:  # the answer a stale hit wants once its blocks are reused
+        res = ("raised", type(e).__name__, str(e))
+    q.put(res)
+    hit.release()
+    r.close()
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("case", ["dead", "detached", "alive"])
+def test_pins_of_a_gone_node_do_not_block_eviction(backend, case, keep):
+    """A reader pins 4 blocks as its node's only process, then dies (dead: its node's
+    counter stands still; detached: a later process of the node leaves it cleanly
+    without attaching the cache). Another node must evict and delete those blocks
+    within lease + slack; the payloads are quarantined (dead) or freed (detached), the
+    counters stay exact, nothing leaks, and when the node attaches the cache again its
+    old pin words are gone, not counted twice.
+
+    alive: the negative control, the reader stays alive: its pins hold for good."""
+    r = keep(backend.create(nodes=2, lease=LEASE))
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    assert c.store(keys, [block_for(k) for k in keys]) == keys
+    base = _live_objects(r) - len(c.entries())
+    q_go = _CTX.Queue()
+    p, q = _spawn(_pin_and_wait, backend.spec(), 1, keys[:4], q_go)
+    try:
+        assert q.get(timeout=60) == ("pinned", 4)
+        assert _pins_of(r, 1) == 4
+        if case == "alive":
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3 * LEASE:
+                assert c.delete(keys[:4]) == [], "a live node's pinned block was deleted"
+                more = c.block_hashes(chain(int(1e3 * (time.monotonic() - t0)) + 10, 2))
+                c.store(more, [block_for(k) for k in more])  # evicts around the pins
+                time.sleep(0.05)
+            with c.lookup(keys[:4]) as hit:
+                assert len(hit) == 4
+            q_go.put("load")
+            res = q.get(timeout=60)
+            assert res == ("loaded", [True] * 4, ""), res
+            p.join(60)
+            assert p.exitcode == 0
+            assert c.delete(keys[:4]) == keys[:4]  # released: deletable at once
+            return
+        q_go.put("die")
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    assert _pins_of(r, 1) == 4, "the dead reader's pins were given back by someone"
+    if case == "detached":
+        keep(backend.open(1)).close()  # the node's last process leaves cleanly
+    took = _delete_until(c, keys[:4], 10 * LEASE + 10)
+    bound = 1.0 if case == "detached" else LEASE + 2.0
+    assert took < bound, f"deleted after {took:.2f} s (bound {bound} s)"
+    # Eviction goes through the same step: a full cache takes new keys in.
+    more = c.block_hashes(chain(1, 8))
+    _store_until(c, more, [block_for(k) for k in more], 10)
+    for k in more:
+        _assert_loads(c, k, block_for(k), "stored after the dead reader's blocks left")
+    st = c.stats()
+    assert st["occupancy"] == len(c.entries()) == 8, st
+    assert st["evictions"] >= 8, st
+    quarantined = 4 if case == "dead" else 0
+    c.recover()  # a detached node's quarantine is released at once
+    st = c.stats()
+    assert st["quarantined"] == quarantined, c.records()
+    if quarantined:
+        assert {rec["node"] for rec in c.records()} == {1}, c.records()
+    assert _live_objects(r) == base + len(c.entries()) + quarantined, "a payload leaked"
+    if case == "dead":
+        bound = cxlrt.kvcache.QUARANTINE_LEASES * LEASE
+        t0 = time.monotonic()
+        while c.stats()["quarantined"]:
+            c.recover()
+            assert time.monotonic() - t0 < bound + 3, "the dead node's quarantine stayed"
+            time.sleep(0.05)
+        assert _live_objects(r) == base + len(c.entries()), "a quarantined payload leaked"
+    # The node attaches again: its old pins are given back, not counted twice.
+    assert _pins_of(r, 1) == 4
+    r1 = keep(backend.open(1))
+    c1 = open_cache(r1, capacity_blocks=8)
+    assert _pins_of(r, 1) == 0, "the node's pins of its earlier process stayed"
+    with c1.lookup(more[:4]) as hit:
+        assert len(hit) == 4
+        assert _pins_of(r, 1) == 4
+        assert c.delete(more[:4]) == []
+    assert _pins_of(r, 1) == 0
+    assert c.delete(more[:4]) == more[:4]
+    c1.close()
+    assert c.stats()["occupancy"] == len(c.entries()) == 4
+
+
+@pytest.mark.crash
+def test_a_stalled_reader_whose_blocks_were_evicted_and_reused_gets_an_error(backend, keep):
+    """A reader, its node's only process, is SIGSTOPped holding a hit past the lease.
+    Another node evicts its blocks (the node is dead by its counter), the quarantine
+    runs out, and the payload memory is reused for other blocks. Resumed, the reader's
+    load of its old hit must raise; it must never return the new blocks' bytes."""
+    r = keep(backend.create(nodes=2, lease=LEASE))
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    assert c.store(keys, [block_for(k) for k in keys]) == keys
+    old = {e["offset"] for e in c.entries() if e["key"] in keys[:2]}
+    q_go = _CTX.Queue()
+    p, q = _spawn(_pin_and_wait, backend.spec(), 1, keys[:2], q_go)
+    try:
+        assert q.get(timeout=60) == ("pinned", 2)
+        os.kill(p.pid, signal.SIGSTOP)
+        while _proc_state(p.pid) != "T":
+            time.sleep(0.001)
+        took = _delete_until(c, keys[:2], 10 * LEASE + 10)
+        assert took < LEASE + 2.0, f"deleted after {took:.2f} s"
+        assert c.stats()["quarantined"] == 2
+        t0 = time.monotonic()
+        while c.stats()["quarantined"]:
+            c.recover()
+            assert time.monotonic() - t0 < cxlrt.kvcache.QUARANTINE_LEASES * LEASE + 3
+            time.sleep(0.05)
+        more = c.block_hashes(chain(1, 8))
+        _store_until(c, more, [block_for(k) for k in more], 10)
+        reused = old & {e["offset"] for e in c.entries()}
+        assert reused, "the evicted payloads' memory was not reused (the test proves nothing)"
+        assert _proc_state(p.pid) == "T"
+        os.kill(p.pid, signal.SIGCONT)
+        q_go.put("load")
+        res = q.get(timeout=60)
+        p.join(60)
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.join(10)
+    assert res[0] == "raised", f"the stale hit loaded: {res}"
+    assert res[1] == "LeaseLost" and "evicted" in res[2], res
+    for k in more:
+        _assert_loads(c, k, block_for(k), "a new block, after the stale reader resumed")
+    c.recover()
+    assert c.stats()["occupancy"] == len(c.entries()) == 8

@@ -818,14 +818,7 @@ cdef class KVCache:
             self._doomed.pop(key, None)
             return True
         if st == CXL_LIVE_DEAD or self._node_inc(node) != c.inc:
-            now = cxl_now_ns()
-            if len(self._doomed) > 4 * self._nrec:
-                self._doomed.clear()
-            since = self._doomed.setdefault(key, now)
-            if now - <uint64_t>since >= KV_QUARANTINE_LEASES * self._lease_ns:
-                self._doomed.pop(key, None)
-                return True
-            return False
+            return self._dead_long_enough(key)
         self._doomed.pop(key, None)
         return False
 
@@ -863,6 +856,11 @@ cdef class KVCache:
         if not dead:
             self._doomed.pop(key, None)
             return True
+        return self._dead_long_enough(key)
+
+    def _dead_long_enough(self, key):
+        """True once `key`'s owner has been judged dead for KV_QUARANTINE_LEASES leases,
+        timed from our first look (our clock: a resumed stall may still write until then)."""
         now = cxl_now_ns()
         if len(self._doomed) > 4 * self._nrec:
             self._doomed.clear()

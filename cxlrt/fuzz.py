@@ -100,6 +100,7 @@ OP_TIMEOUT_S = 0.01       # recv/send timeouts inside an image
 STARTUP_S = 120.0         # a worker that does not start within this is a broken harness
 SLOW_OP_MS = 1000         # an operation this slow is listed (a loop bounded by a corrupt count?)
 SEED_MODES = ("clean", "crashed")
+SEED_TRIES = 5           # builds of a seed that may end in LeaseLost on a loaded machine
 MASK64 = (1 << 64) - 1
 
 
@@ -211,12 +212,22 @@ def make_seeds(folder: str) -> dict[str, Seed]:
         for p in (path, path + ".json"):
             if os.path.exists(p):
                 os.unlink(p)
-        env = dict(os.environ, CXLRT_LOCAL_DIR=tempfile.mkdtemp(prefix="cxlrt-fuzz-seed-"))
-        try:
-            subprocess.run([sys.executable, "-m", "cxlrt.fuzz", "--build-seed", path,
-                            "--seed-mode", mode], check=True, env=env, timeout=120)
-        finally:
-            shutil.rmtree(env["CXLRT_LOCAL_DIR"], ignore_errors=True)
+        # A seed is built with the seed's short lease (LEASE_S): on a loaded machine the
+        # builder itself can be silent past it and get LeaseLost, which is the lock
+        # telling the truth, not a fuzz finding. Build again, a few times, then give up.
+        for attempt in range(SEED_TRIES):
+            env = dict(os.environ, CXLRT_LOCAL_DIR=tempfile.mkdtemp(prefix="cxlrt-fuzz-seed-"))
+            try:
+                p = subprocess.run([sys.executable, "-m", "cxlrt.fuzz", "--build-seed", path,
+                                    "--seed-mode", mode], env=env, timeout=120,
+                                   capture_output=True, text=True)
+            finally:
+                shutil.rmtree(env["CXLRT_LOCAL_DIR"], ignore_errors=True)
+            if p.returncode == 0:
+                break
+            if "LeaseLost" not in p.stderr or attempt == SEED_TRIES - 1:
+                raise RuntimeError(f"building the {mode} seed failed (exit {p.returncode}):\n"
+                                   + p.stderr[-2000:])
         out[mode] = load_seed(folder, mode)
     return out
 

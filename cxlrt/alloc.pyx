@@ -25,13 +25,13 @@ PEEK_EVERY heap-mutex sections of its own allocs and frees, in trim(), drain() a
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport cxl_flush, cxl_load64, cxl_persist, cxl_region, cxl_store64
+from cxlrt.backend cimport cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport cxl_now_ns, unlikely
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
-                             cxl_live_silent_since, cxl_live_verify)
+                             cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
 from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXLRT_E_FENCED, cxl_lock_acquire,
                          cxl_lock_release)
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
@@ -140,6 +140,28 @@ cdef inline int _table_set(cxl_allocctx* A, uint64_t k, uint64_t w) noexcept nog
     return cxl_store64(A.r, A.table_off + k * 8, w)
 
 
+cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexcept nogil:
+    """Write w to table[k, k+n) in order (as _table_set: lock held, unpublished).
+
+    Whole lines go as one 64-byte store of constant size (a variable-size copy
+    compiles to a rep movs that costs more than the words themselves)."""
+    cdef uint64_t line[8]
+    cdef uint64_t j
+    cdef int rc = 0
+    for j in range(8):
+        line[j] = w
+    while n > 0 and rc == 0:
+        if (k & 7) == 0 and n >= 8:
+            rc = cxl_store(A.r, A.table_off + k * 8, line, 64)
+            k += 8
+            n -= 8
+        else:
+            rc = _table_set(A, k, w)
+            k += 1
+            n -= 1
+    return rc
+
+
 # --- small chunks (owner only) ---------------------------------------------------------
 
 cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noexcept nogil:
@@ -202,24 +224,32 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
 
 cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept nogil:
     """First-fit run of n free chunks (allocator lock held): 0, or CXLRT_E_NOMEM."""
-    cdef uint64_t k, run = 0, w = 0
+    cdef uint64_t k = 0, j, m, run = 0
+    cdef uint64_t line[8]
     cdef int rc
-    for k in range(A.nchunks):
-        if k % 8 == 0:
-            # Observe one line of the table at a time, as we reach it.
-            rc = cxl_flush(A.r, A.table_off + k * 8, 8)
-            if rc != 0:
-                return rc
-        rc = cxl_load64(A.r, A.table_off + k * 8, &w)
+    while k < A.nchunks:
+        # Observe one line of the table at a time, as we reach it, and read it whole
+        # (a 2 MiB run spans 32 words; each load of one word pays its own checks).
+        m = min(<uint64_t>8, A.nchunks - k)
+        rc = cxl_flush(A.r, A.table_off + k * 8, m * 8)
+        if rc == 0 and m == 8:
+            rc = cxl_load(A.r, A.table_off + k * 8, line, 64)
+        elif rc == 0:
+            for j in range(m):
+                rc = cxl_load64(A.r, A.table_off + (k + j) * 8, &line[j])
+                if rc != 0:
+                    break
         if rc != 0:
             return rc
-        if w == 0:
-            run += 1
-            if run == n:
-                first[0] = k + 1 - n
-                return 0
-        else:
-            run = 0
+        for j in range(m):
+            if line[j] == 0:
+                run += 1
+                if run == n:
+                    first[0] = k + j + 1 - n
+                    return 0
+            else:
+                run = 0
+        k += m
     return CXLRT_E_NOMEM
 
 
@@ -250,7 +280,7 @@ cdef int _alloc_lock(cxl_allocctx* A, uint64_t* t0) noexcept nogil:
     wait counts: another node may have taken the lock from us in the queue)."""
     cdef int rec = 0
     cdef uint64_t last = cxl_atomic_load_acquire64(&A.L.live.last_beat)
-    t0[0] = cxl_now_ns()  # the one clock read here when we beat on time
+    t0[0] = cxl_live_t0(A.L.live)  # a coarse clock read when we beat on time
     if unlikely((last != 0 and last + A.L.live.lease_ns < t0[0]) or cxl_live_fenced(A.L.live)):
         # Stalled and the beat thread has not run since: before we write as our node,
         # learn whether another life of it took over (the acquire then refuses), and
@@ -834,7 +864,7 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
 
 cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexcept nogil:
     """A run of whole chunks, first fit, under the allocator lock."""
-    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, i, t0 = 0
+    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, t0 = 0
     cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
@@ -842,10 +872,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
     if rc == 0:
         rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
     if rc == 0:
-        for i in range(1, n):
-            rc = _table_set(A, k + i, _word(KIND_TAIL, A.node, k))
-            if rc != 0:
-                break
+        rc = _table_fill(A, k + 1, n - 1, _word(KIND_TAIL, A.node, k))
     if rc == 0:
         rc = _table_set(A, k, _word(KIND_LARGE, A.node, n))
     if rc == 0:
@@ -860,7 +887,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
 
 cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     """Free any node's object: ours directly, others' through their queue, runs under the lock."""
-    cdef uint64_t k, w = 0, rel, slot, bw = 0, i, n, applied = 0, t0 = 0
+    cdef uint64_t k, w = 0, rel, slot, bw = 0, n, applied = 0, t0 = 0
     cdef uint32_t c, owner
     cdef int rc
     cdef cxl_local_heap* h = A.heap
@@ -889,10 +916,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:
             rc = _fence(A, t0)
         if rc == 0:
-            for i in range(n):
-                rc = _table_set(A, k + i, 0)
-                if rc != 0:
-                    break
+            rc = _table_fill(A, k, n, 0)
         if rc == 0:
             rc = _published(A, t0, cxl_persist(A.r, A.table_off + k * 8, n * 8))
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)

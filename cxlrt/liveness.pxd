@@ -19,6 +19,8 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
 from cxlrt.includes.mutex cimport pthread_mutex_t
+from cxlrt.includes.intrin cimport cxl_coarse_slack_ns, cxl_now_coarse_ns, cxl_now_ns
+from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int
 from cxlrt.nodelocal cimport NodeLocal
 
 
@@ -38,6 +40,7 @@ ctypedef struct cxl_live:
     uint64_t nodes_off               # node areas
     uint64_t lease_ns
     uint64_t period_ns               # beat period (lease / 8)
+    uint64_t coarse_slack_ns         # the coarse clock lags the fine one by less than this
     uint32_t nodes
     uint32_t node
     uint64_t* counter                # node-local beat counter shared by the node's processes
@@ -57,11 +60,10 @@ ctypedef struct cxl_live:
     pthread_mutex_t sweep_mu         # guards sweep/sweep_ctx against close() (process-private)
 
 
-cdef int cxl_live_fenced(cxl_live* V) noexcept nogil
+
 cdef int cxl_live_verify(cxl_live* V) noexcept nogil
 cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil
 cdef int cxl_node_gone(cxl_live* V, uint32_t j) noexcept nogil
-cdef int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil
 cdef int64_t cxl_live_remaining_ns(cxl_live* V) noexcept nogil
 
 
@@ -79,3 +81,42 @@ cdef class Liveness:
 
     cdef cxl_live* ctx(self) noexcept
     cdef void set_sweep(self, cxl_sweep_fn fn, void* ctx, object owner)
+
+
+# Inline: the allocator, locks, KV cache and channel ask these on every fenced
+# publish, and a call into another module costs as much as the check.
+cdef inline int cxl_live_fenced(cxl_live* V) noexcept nogil:
+    """1 once another life of our node has taken the node over: we must not write."""
+    return cxl_atomic_load_acquire_int(&V.fenced)
+
+
+cdef inline int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil:
+    """1 if this process was silent past the lease at some point since t0 (our clock).
+
+    Either the beat thread saw a gap that ended after t0, or the gap is still
+    open now (we resumed and the beat thread has not run yet), or our node was
+    taken over by another life.
+    """
+    cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
+    if cxl_live_fenced(V):
+        return 1
+    # The fine clock decides; the coarse one only spares its read (this runs on
+    # every fenced publish) while the deadline is more than its lag away.
+    if last != 0 and (V.coarse_slack_ns >= V.lease_ns
+                      or cxl_now_coarse_ns() + V.coarse_slack_ns > last + V.lease_ns):
+        if cxl_now_ns() > last + V.lease_ns:
+            return 1
+    return 1 if cxl_atomic_load_acquire64(&V.gap_end) >= t0 else 0
+
+
+cdef inline uint64_t cxl_live_t0(cxl_live* V) noexcept nogil:
+    """A start time for cxl_live_silent_since: the coarse clock, at or before now, so
+    that no silence ending after now is missed; the fine clock when a silence ended
+    within the coarse clock's lag (the coarse value would count it: a false alarm)
+    or when the deadline is that close (the caller compares t0 with it)."""
+    cdef uint64_t t = cxl_now_coarse_ns(), last = cxl_atomic_load_acquire64(&V.last_beat)
+    if (V.coarse_slack_ns >= V.lease_ns or last == 0
+            or t + V.coarse_slack_ns > last + V.lease_ns
+            or cxl_atomic_load_acquire64(&V.gap_end) + V.coarse_slack_ns >= t):
+        return cxl_now_ns()
+    return t

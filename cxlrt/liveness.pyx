@@ -15,7 +15,8 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport Backend, cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_store64
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
-                                    cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns)
+                                    cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns,
+                                    cxl_now_coarse_ns, cxl_coarse_slack_ns)
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
                                     cxl_atomic_store_release64, cxl_atomic_store_release_int,
                                     cxl_plain_mutex_init, cxl_plain_mutex_lock,
@@ -112,11 +113,6 @@ def host_id():
 
 # --- judging other nodes ------------------------------------------------------------
 
-cdef int cxl_live_fenced(cxl_live* V) noexcept nogil:
-    """1 once another life of our node has taken the node over: we must not write."""
-    return cxl_atomic_load_acquire_int(&V.fenced)
-
-
 cdef int cxl_live_verify(cxl_live* V) noexcept nogil:
     """Re-read our node's incarnation now (after a stall, before writing as the node).
 
@@ -170,21 +166,6 @@ cdef int cxl_node_gone(cxl_live* V, uint32_t j) noexcept nogil:
 
 
 # --- judging ourselves ---------------------------------------------------------------
-
-cdef int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil:
-    """1 if this process was silent past the lease at some point since t0 (our clock).
-
-    Either the beat thread saw a gap that ended after t0, or the gap is still
-    open now (we resumed and the beat thread has not run yet), or our node was
-    taken over by another life.
-    """
-    cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
-    if cxl_live_fenced(V):
-        return 1
-    if last != 0 and cxl_now_ns() > last + V.lease_ns:
-        return 1
-    return 1 if cxl_atomic_load_acquire64(&V.gap_end) >= t0 else 0
-
 
 cdef int64_t cxl_live_remaining_ns(cxl_live* V) noexcept nogil:
     """Nanoseconds until others may judge us dead if we stopped beating now."""
@@ -266,6 +247,7 @@ cdef class Liveness:
         self.V.nodes_off = region.sections["nodes"][0]
         self.V.lease_ns = <uint64_t>region.lease_ms * 1000000
         self.V.period_ns = max(self.V.lease_ns // 8, 1000000)
+        self.V.coarse_slack_ns = cxl_coarse_slack_ns()
         self.V.nodes = region.nodes
         self.V.node = region.node
         self.local = NodeLocal(region.uuid, region.node, on_open=self._attach_locked)

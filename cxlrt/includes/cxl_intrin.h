@@ -167,6 +167,25 @@ static inline uint64_t cxl_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The clock at the latest kernel tick: a few ns a read against ~25 for the fine
+ * clock, and behind it by up to one tick (cxl_coarse_slack_ns bounds that). */
+static inline uint64_t cxl_now_coarse_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* How far the coarse clock may lag the fine one: two of its ticks, so that a tick
+ * delivered late (a vCPU resumed, an interrupt held off) still stays inside. */
+static inline uint64_t cxl_coarse_slack_ns(void)
+{
+    struct timespec ts;
+    if (clock_getres(CLOCK_MONOTONIC_COARSE, &ts) != 0)
+        return UINT64_MAX;  /* no coarse clock: every check falls through to the fine one */
+    return 2 * ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
+}
+
 /* Wall clock: shown to people and stamped for statistics; never used to judge
  * liveness (clocks of different hosts disagree: liveness.pxd). */
 static inline uint64_t cxl_wall_ns(void)

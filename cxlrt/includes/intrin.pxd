@@ -25,6 +25,8 @@ cdef extern from "cxl_intrin.h" nogil:
     uint64_t cxl_atomic_add_relaxed64(uint64_t* p, uint64_t v)
     uint32_t cxl_thread_id()
     uint64_t cxl_now_ns()
+    uint64_t cxl_now_coarse_ns()
+    uint64_t cxl_coarse_slack_ns()
     uint64_t cxl_wall_ns()
     void cxl_backoff(uint64_t* spins)
     void cxl_spin_ns(uint64_t ns)

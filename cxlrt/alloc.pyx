@@ -27,7 +27,7 @@ from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport cxl_now_ns, unlikely
+from cxlrt.includes.intrin cimport cxl_fence_release, cxl_now_ns, unlikely
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
@@ -144,7 +144,8 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
     """Write w to table[k, k+n) in order (as _table_set: lock held, unpublished).
 
     Whole lines go as one 64-byte store of constant size (a variable-size copy
-    compiles to a rep movs that costs more than the words themselves)."""
+    compiles to a rep movs that costs more than the words themselves). Words of one
+    line may land in any order; lines, and what the caller stores next, in order."""
     cdef uint64_t line[8]
     cdef uint64_t j
     cdef int rc = 0
@@ -153,6 +154,7 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
     while n > 0 and rc == 0:
         if (k & 7) == 0 and n >= 8:
             rc = cxl_store(A.r, A.table_off + k * 8, line, 64)
+            cxl_fence_release()  # a plain copy: keep it before the stores that follow
             k += 8
             n -= 8
         else:
@@ -915,8 +917,11 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
             rc = cxl_flush(A.r, A.table_off + k * 8, n * 8)
         if rc == 0:
             rc = _fence(A, t0)
+        if rc == 0:  # the head first: a kill part-way leaves tails, never a short run
+            rc = _table_set(A, k, 0)
+            cxl_fence_release()
         if rc == 0:
-            rc = _table_fill(A, k, n, 0)
+            rc = _table_fill(A, k + 1, n - 1, 0)
         if rc == 0:
             rc = _published(A, t0, cxl_persist(A.r, A.table_off + k * 8, n * 8))
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)

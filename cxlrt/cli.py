@@ -19,6 +19,17 @@ CoherenceError on protocol violations), lat (ns per line), bw (GB/s), cache
 """
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, 0 or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return v
+
+
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -122,7 +133,8 @@ def cmd_lockmgr(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with cxlrt.open(args.spec, node=args.node, lock_manager=True):
+    with cxlrt.open(args.spec, node=args.node) as region:
+        region.start_lock_manager(spin=args.spin)
         print(f"cxlrt lockmgr: granting manager-mode locks of {args.spec} as node "
               f"{args.node}; Ctrl-C to stop", file=sys.stderr)
         while not stop.wait(0.5):
@@ -247,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "until stopped (SIGINT/SIGTERM). One manager per region.")
     m.add_argument("spec", help="region spec")
     m.add_argument("--node", type=int, default=0, help="node id to attach as (default 0)")
+    m.add_argument("--spin", type=_seconds, default=None, metavar="SECONDS",
+                   help="keep spinning this long after the last grant before sleeping "
+                        "between passes (default 0.002; 0 never spins: a shared core)")
     m.set_defaults(func=cmd_lockmgr)
 
     from cxlrt.demo import DemoConfig

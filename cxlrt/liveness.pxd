@@ -19,7 +19,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
 from cxlrt.includes.mutex cimport pthread_mutex_t
-from cxlrt.includes.intrin cimport cxl_coarse_slack_ns, cxl_now_coarse_ns, cxl_now_ns
+from cxlrt.includes.intrin cimport cxl_now_coarse_ns, cxl_now_ns
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int
 from cxlrt.nodelocal cimport NodeLocal
 
@@ -100,20 +100,20 @@ cdef inline int cxl_live_silent_since(cxl_live* V, uint64_t t0) noexcept nogil:
     cdef uint64_t last = cxl_atomic_load_acquire64(&V.last_beat)
     if cxl_live_fenced(V):
         return 1
-    # The fine clock decides; the coarse one only spares its read (this runs on
-    # every fenced publish) while the deadline is more than its lag away.
-    if last != 0 and (V.coarse_slack_ns >= V.lease_ns
-                      or cxl_now_coarse_ns() + V.coarse_slack_ns > last + V.lease_ns):
-        if cxl_now_ns() > last + V.lease_ns:
-            return 1
+    # The fine clock, always: the coarse one can lag by several ticks (a guest whose
+    # timekeeping vCPU has not ticked since a pause) and would then miss this gap.
+    if last != 0 and cxl_now_ns() > last + V.lease_ns:
+        return 1
     return 1 if cxl_atomic_load_acquire64(&V.gap_end) >= t0 else 0
 
 
 cdef inline uint64_t cxl_live_t0(cxl_live* V) noexcept nogil:
-    """A start time for cxl_live_silent_since: the coarse clock, at or before now, so
-    that no silence ending after now is missed; the fine clock when a silence ended
-    within the coarse clock's lag (the coarse value would count it: a false alarm)
-    or when the deadline is that close (the caller compares t0 with it)."""
+    """A start time for cxl_live_silent_since: the coarse clock, never ahead of the fine
+    one, so no silence that ends after now is missed however stale it is; the fine
+    clock when a silence ended within the coarse clock's usual lag (the coarse value
+    would count it: a false alarm) or when the deadline is that close (the caller
+    compares t0 with it; a stale coarse clock there only defers the verdict to
+    cxl_live_silent_since, which reads the fine clock)."""
     cdef uint64_t t = cxl_now_coarse_ns(), last = cxl_atomic_load_acquire64(&V.last_beat)
     if (V.coarse_slack_ns >= V.lease_ns or last == 0
             or t + V.coarse_slack_ns > last + V.lease_ns

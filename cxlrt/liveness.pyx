@@ -15,8 +15,7 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport Backend, cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_store64
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
-                                    cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns,
-                                    cxl_now_coarse_ns, cxl_coarse_slack_ns)
+                                    cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns, cxl_coarse_slack_ns)
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
                                     cxl_atomic_store_release64, cxl_atomic_store_release_int,
                                     cxl_plain_mutex_init, cxl_plain_mutex_lock,

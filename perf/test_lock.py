@@ -48,9 +48,9 @@ LOCK = "bench"            # bakery lock in small_regions("file") and ("emu")
 MGR_LOCK = "benchm"       # manager lock in small_regions("file", lock_manager=True)
 
 # ops per call: chosen so a round takes about 3-25 ms on a 2-core machine
-UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 300,
+UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 10_000,
                  "emu bakery": 10_000}
-CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 400}
+CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 4_000}
 CONTENDED_ROUNDS = 10
 CONTENDED_WARMUP = 1
 BARRIER_TIMEOUT_S = 60.0  # a wedged child fails the benchmark instead of hanging it

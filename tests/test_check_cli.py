@@ -66,8 +66,10 @@ def test_repair_needs_a_node(region_dir):
 def test_lockmgr_serves_manager_locks(region_dir):
     spec = f"file:{region_dir}/r"
     run("format", spec, "--size", "8M", "--nodes", "2")
-    mgr = subprocess.Popen([sys.executable, "-m", "cxlrt", "lockmgr", spec, "--node", "0"],
-                           stderr=subprocess.PIPE, text=True)
+    bad = run("lockmgr", spec, "--spin", "-1", check=False)
+    assert bad.returncode == 2 and "expected seconds >= 0" in bad.stderr
+    mgr = subprocess.Popen([sys.executable, "-m", "cxlrt", "lockmgr", spec, "--node", "0",
+                            "--spin", "0.001"], stderr=subprocess.PIPE, text=True)
     try:
         with cxlrt.open(spec, node=1) as r:
             lock = r.lock("m", mode="manager")

@@ -168,16 +168,19 @@ static inline uint64_t cxl_now_ns(void)
 }
 
 /* The clock at the latest kernel tick: a few ns a read against ~25 for the fine
- * clock, and behind it by up to one tick (cxl_coarse_slack_ns bounds that). */
+ * clock. Never ahead of it; usually behind by under a tick, but by several when the
+ * timekeeping CPU has not ticked (a guest just resumed), so it may only ever make a
+ * verdict more cautious, never decide that a deadline has not passed. */
 static inline uint64_t cxl_now_coarse_ns(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0)
+        return cxl_now_ns();
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* How far the coarse clock may lag the fine one: two of its ticks, so that a tick
- * delivered late (a vCPU resumed, an interrupt held off) still stays inside. */
+/* The coarse clock's usual lag: two of its ticks. Only for telling a false alarm
+ * from a real one (cxl_live_t0), where an unusual lag errs on the cautious side. */
 static inline uint64_t cxl_coarse_slack_ns(void)
 {
     struct timespec ts;

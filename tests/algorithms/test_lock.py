@@ -64,6 +64,26 @@ def test_mutual_exclusion_4_nodes_2_procs_each(backend, mode):
     r0.close()
 
 
+@pytest.mark.parametrize("spin", [0.0, 0.05])
+def test_manager_grants_whether_it_spins_or_sleeps(backend, spin):
+    """spin 0: a ~20 us sleep between passes; 0.05: passes back to back while busy."""
+    nodes, iters = 3, 300
+    r0 = backend.create(nodes=nodes)
+    r0.dma_write(r0.heap[0], bytes(64))
+    r0.lock("counter", mode="manager")
+    r0.start_lock_manager(spin=spin)
+    assert r0.locks.manager_spin == spin
+    barrier = _CTX.Barrier(nodes)
+    args = [(backend.spec(), n, "manager", iters, True, barrier) for n in range(nodes)]
+    res = raise_failures(run_procs(_counter_worker, args, timeout=240))
+    assert not [e for e in res if isinstance(e, cxlrt.CoherenceError)], res
+    assert backend.medium_word(r0.heap[0]) == nodes * iters
+    assert r0.lock("counter").acquisitions() == [iters] * nodes
+    with pytest.raises(ValueError, match="manager_spin must be >= 0"):
+        r0.locks.manager_spin = -1
+    r0.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_skipping_the_lock_loses_updates(backend, mode, emu_only):
     """Negative control: the same workload without the lock must fail."""

@@ -145,7 +145,7 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
 
     Whole lines go as one 64-byte store of constant size (a variable-size copy
     compiles to a rep movs that costs more than the words themselves). Words of one
-    line may land in any order; lines, and what the caller stores next, in order."""
+    line may land in any order; each line lands before what is stored after it."""
     cdef uint64_t line[8]
     cdef uint64_t j
     cdef int rc = 0
@@ -917,7 +917,9 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
             rc = cxl_flush(A.r, A.table_off + k * 8, n * 8)
         if rc == 0:
             rc = _fence(A, t0)
-        if rc == 0:  # the head first: a kill part-way leaves tails, never a short run
+        if rc == 0:  # the head first: a process killed part-way leaves orphan tails
+            # (a leak that check reports), never a short run. A node whose unpublished
+            # lines are written back in any order can leave either; as before.
             rc = _table_set(A, k, 0)
             cxl_fence_release()
         if rc == 0:

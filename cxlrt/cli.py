@@ -20,13 +20,13 @@ CoherenceError on protocol violations), lat (ns per line), bw (GB/s), cache
 
 
 def _seconds(text: str) -> float:
-    """argparse type: a duration in seconds, 0 or more."""
+    """argparse type: a duration in seconds, 0 to an hour (no inf, no nan)."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    if not 0 <= v <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in 0..3600, got {text!r}")
     return v
 
 
@@ -260,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("spec", help="region spec")
     m.add_argument("--node", type=int, default=0, help="node id to attach as (default 0)")
     m.add_argument("--spin", type=_seconds, default=None, metavar="SECONDS",
-                   help="keep spinning this long after the last grant before sleeping "
-                        "between passes (default 0.002; 0 never spins: a shared core)")
+                   help="keep spinning this long after a grant changed hands before "
+                        "sleeping between passes (default 0.002; 0 never spins: a shared "
+                        "core)")
     m.set_defaults(func=cmd_lockmgr)
 
     from cxlrt.demo import DemoConfig

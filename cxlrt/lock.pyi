@@ -15,6 +15,9 @@ class LeaseLost(CxlrtError): ...
 class NoLockManager(CxlrtError): ...
 
 MANAGER_WAIT_S: float
+MANAGER_SPIN_S: float
+MANAGER_SPIN_MAX_S: float
+MANAGER_WAIT_MAX_S: float
 
 class LockService:
     region: Region
@@ -22,6 +25,7 @@ class LockService:
     lease_s: float
     lease_gaps: int
     manager_wait: float
+    manager_spin: float
     mgr_epoch: int
     mgr_exit: str | None
     def __init__(self, region: Region, lease_ms: int) -> None: ...

@@ -59,9 +59,12 @@ class NoLockManager(CxlrtError):
 # leases if longer (a standby takes a stalled manager over after one lease).
 MANAGER_WAIT_S = 3.0
 
-# A lock manager spins (a pause between passes) while a grant stands and this long after,
-# then sleeps ~20 us a pass: microsecond handoffs while busy, an idle core once not.
+# A lock manager spins (a yield between passes) for this long after each pass that changed
+# a grant, then sleeps ~20 us a pass: microsecond handoffs while grants change hands, an
+# idle core through long holds and quiet spells.
 MANAGER_SPIN_S = 0.002
+MANAGER_SPIN_MAX_S = 3600.0  # and no inf: seconds become a 64-bit count of ns
+MANAGER_WAIT_MAX_S = 1e6
 
 
 class LeaseLost(CxlrtError):
@@ -379,6 +382,13 @@ cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return rc
 
 
+ctypedef struct cxl_mgr_pace:
+    uint64_t spin_ns          # spin this long after a grant changed, then sleep
+    uint64_t changed_at       # our clock at the latest pass that changed a grant
+    uint64_t yields           # passes followed by a yield (spinning)
+    uint64_t sleeps           # passes followed by a ~20 us sleep
+
+
 ctypedef struct cxl_mgr_lock:
     uint32_t last             # node granted last (round robin starts after it)
     uint32_t held             # node our grant names, + 1 (0: no grant of ours stands)
@@ -494,36 +504,38 @@ cdef extern from "<sched.h>" nogil:
 
 
 cdef int _mgr_passes(cxl_lockctx* L, uint32_t* ids, uint32_t n, uint64_t epoch,
-                     cxl_mgr_lock* st, uint64_t spin_ns, uint64_t for_ns) noexcept nogil:
+                     cxl_mgr_lock* st, cxl_mgr_pace* pace, uint64_t for_ns) noexcept nogil:
     """Manager passes over locks ids[:n] for for_ns: back to back, with a yield between,
-    while a grant of ours stands or stood within spin_ns; ~20 us sleeps once idle.
+    for pace.spin_ns after the latest pass that changed a grant; ~20 us sleeps otherwise.
 
     A sleeping manager answers a request one sleep late (a wake-up is tens of us on a
-    VM), so a busy one spins: a handoff then costs a few cache-line trips. The price is
-    a core while busy and for spin_ns after; spin_ns = 0 never spins.
+    VM), so one whose grants are changing hands spins: a handoff then costs a few
+    cache-line trips. A long hold changes nothing, so the manager sleeps through it,
+    and its release is answered one sleep late. spin_ns = 0 never spins.
     """
-    cdef uint64_t now = cxl_now_coarse_ns(), until = now + for_ns, busy_at = 0
+    cdef uint64_t now = cxl_now_ns(), until = now + for_ns, wrote
     cdef uint32_t k
-    cdef int rc = 0, busy
+    cdef int rc = 0
     while rc == 0 and now < until:
-        busy = 0
         for k in range(n):
+            wrote = st[ids[k]].wrote
             rc = _mgr_step(L, ids[k], epoch, &st[ids[k]])
             if rc != 0:
                 return rc
-            busy |= st[ids[k]].held != 0
-        now = cxl_now_coarse_ns()
-        if busy:
-            busy_at = now
-        if spin_ns and now - busy_at < spin_ns:
+            if st[ids[k]].wrote != wrote:
+                pace.changed_at = now
+        now = cxl_now_ns()
+        if pace.spin_ns and now - pace.changed_at < pace.spin_ns:
             # A yield, not pause instructions: with more runnable threads than cores (the
             # holder, waiters and us on two) a spin leaves the holder's release, and so
             # the handoff, waiting for our time slice to end; with a core to spare it
             # returns at once. Measured here: 16 pauses between passes cost 15% of the
             # handoff rate and 60% more uncontended time than none (perf/README.md).
             sched_yield()
+            pace.yields += 1
         else:
             cxl_backoff_short()
+            pace.sleeps += 1
     return rc
 
 
@@ -741,7 +753,8 @@ cdef class LockService:
     cdef readonly object mgr_exit        # why our manager stopped (None while running)
     cdef dict _modes
     cdef bint _closed
-    cdef uint64_t _spin_ns               # our manager spins this long after its last grant
+    cdef uint64_t _spin_ns               # our manager spins this long after a grant changed
+    cdef cxl_mgr_pace _pace              # its pacing state and counts (manager thread only)
 
     def __init__(self, Region region, Liveness live):
         self.region = region
@@ -782,21 +795,23 @@ cdef class LockService:
 
     @manager_wait.setter
     def manager_wait(self, double seconds):
-        if not seconds > 0:
-            raise ValueError(f"manager_wait must be > 0 seconds, got {seconds}")
+        if not 0 < seconds <= MANAGER_WAIT_MAX_S:
+            raise ValueError(f"manager_wait must be > 0 and <= {MANAGER_WAIT_MAX_S:g} "
+                             f"seconds, got {seconds}")
         self.L.mgr_wait_ns = <uint64_t>(seconds * 1e9)
 
     @property
     def manager_spin(self):
-        """Seconds our lock manager keeps spinning after its last grant stood, before it
-        falls back to ~20 us sleeps (default MANAGER_SPIN_S; 0: always sleep). Spinning
-        answers in microseconds instead of tens, for a core while busy."""
+        """Seconds our lock manager keeps spinning after a pass that changed a grant,
+        before it falls back to ~20 us sleeps (default MANAGER_SPIN_S; 0: always sleep).
+        Spinning answers in microseconds instead of tens, for a core while busy."""
         return self._spin_ns / 1e9
 
     @manager_spin.setter
     def manager_spin(self, double seconds):
-        if not seconds >= 0:
-            raise ValueError(f"manager_spin must be >= 0 seconds, got {seconds}")
+        if not 0 <= seconds <= MANAGER_SPIN_MAX_S:
+            raise ValueError(f"manager_spin must be 0..{MANAGER_SPIN_MAX_S:g} seconds, "
+                             f"got {seconds}")
         self._spin_ns = <uint64_t>(seconds * 1e9)
 
     def _no_manager(self, str name):
@@ -948,6 +963,7 @@ cdef class LockService:
             r.persist(off, 64)  # the claim: one line, written only under lock 0
         self.mgr_epoch = epoch
         self.mgr_exit = None
+        memset(&self._pace, 0, sizeof(cxl_mgr_pace))
         self._mgr_beat(epoch)
         self._mgr_thread = threading.Thread(target=self._mgr_loop, args=(epoch,), daemon=True,
                                             name="cxlrt-lockmgr")
@@ -965,9 +981,8 @@ cdef class LockService:
     def _mgr_loop(self, uint64_t epoch):
         cdef cxl_mgr_lock st[64]
         cdef uint32_t ids[64]
-        cdef uint32_t n = 0, k
+        cdef uint32_t n = 0
         cdef int rc = 0
-        cdef uint64_t until
         memset(st, 0, sizeof(st))
         # An idle pass sleeps ~20 us; the default 50 us timer slack would stretch it.
         cxl_set_timerslack_1ns()
@@ -986,8 +1001,9 @@ cdef class LockService:
             except RegionError as e:
                 self.mgr_exit = str(e)
                 return
+            self._pace.spin_ns = self._spin_ns
             with nogil:
-                rc = _mgr_passes(&self.L, ids, n, epoch, st, self._spin_ns, 100_000_000)
+                rc = _mgr_passes(&self.L, ids, n, epoch, st, &self._pace, 100_000_000)
             if rc == CXLRT_E_FENCED:
                 self.mgr_exit = "superseded by another manager"
                 return
@@ -1016,8 +1032,12 @@ cdef class LockService:
         claim = self._claim()
         if not claim[0]:
             return None
-        return {"node": claim[0] - 1, "pid": claim[3], "epoch": claim[1],
+        info = {"node": claim[0] - 1, "pid": claim[3], "epoch": claim[1],
                 "running": self._mgr_running(claim)}
+        if self._mgr_thread is not None:  # ours: how it paces itself (read racily)
+            info.update(spin=self._pace.spin_ns / 1e9, yields=self._pace.yields,
+                        sleeps=self._pace.sleeps)
+        return info
 
     def node_dead(self, uint32_t j):
         return bool(cxl_node_dead(&self.L, j))

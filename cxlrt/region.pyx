@@ -176,8 +176,8 @@ cdef class Region:
     def start_lock_manager(self, spin=None):
         """Run the lock manager for this region in a background thread of this process.
 
-        `spin`: seconds it keeps spinning after its last grant before it sleeps between
-        passes (default cxlrt.lock.MANAGER_SPIN_S; 0 never spins, for a shared core).
+        `spin`: seconds it keeps spinning after a grant changed hands before it sleeps
+        between passes (default cxlrt.lock.MANAGER_SPIN_S; 0 never spins: a shared core).
         """
         if spin is not None:
             self.locks.manager_spin = spin

@@ -47,7 +47,9 @@ MUTEX_BASELINE = "pthread mutex"
 LOCK = "bench"            # bakery lock in small_regions("file") and ("emu")
 MGR_LOCK = "benchm"       # manager lock in small_regions("file", lock_manager=True)
 
-# ops per call: chosen so a round takes about 3-25 ms on a 2-core machine
+# ops per call: chosen so a round takes about 3-25 ms on a 2-core machine (the manager
+# rows assume it spins on a core of its own; sleeping between passes, a round of them
+# takes about 0.2-0.4 s, slow but still measured)
 UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 10_000,
                  "emu bakery": 10_000}
 CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 4_000}

@@ -66,8 +66,9 @@ def test_repair_needs_a_node(region_dir):
 def test_lockmgr_serves_manager_locks(region_dir):
     spec = f"file:{region_dir}/r"
     run("format", spec, "--size", "8M", "--nodes", "2")
-    bad = run("lockmgr", spec, "--spin", "-1", check=False)
-    assert bad.returncode == 2 and "expected seconds >= 0" in bad.stderr
+    for value in ("-1", "inf", "nan", "soon"):
+        bad = run("lockmgr", spec, "--spin", value, check=False)
+        assert bad.returncode == 2 and "expected seconds" in bad.stderr, (value, bad.stderr)
     mgr = subprocess.Popen([sys.executable, "-m", "cxlrt", "lockmgr", spec, "--node", "0",
                             "--spin", "0.001"], stderr=subprocess.PIPE, text=True)
     try:

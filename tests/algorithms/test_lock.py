@@ -79,8 +79,15 @@ def test_manager_grants_whether_it_spins_or_sleeps(backend, spin):
     assert not [e for e in res if isinstance(e, cxlrt.CoherenceError)], res
     assert backend.medium_word(r0.heap[0]) == nodes * iters
     assert r0.lock("counter").acquisitions() == [iters] * nodes
-    with pytest.raises(ValueError, match="manager_spin must be >= 0"):
-        r0.locks.manager_spin = -1
+    pace = r0.locks.manager_info()
+    assert pace["spin"] == spin and pace["sleeps"] > 0  # idle before and after the run
+    if spin:
+        assert pace["yields"] > 0, pace  # grants changing hands kept it spinning
+    else:
+        assert pace["yields"] == 0, pace
+    for bad in (-1, float("inf"), float("nan"), 1e12):
+        with pytest.raises(ValueError, match="manager_spin must be 0..3600"):
+            r0.locks.manager_spin = bad
     r0.close()
 
 

@@ -18,13 +18,14 @@ from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, CXLRT_E_COHERENCE, cxl_
                             cxl_persist, cxl_publish, cxl_region, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.layout cimport CXL_NODE_AREA
-from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
-                                    cxl_load64_volatile, cxl_now_coarse_ns, cxl_now_ns, cxl_pid,
+from cxlrt.includes.intrin cimport (cxl_backoff, cxl_cpu_relax, cxl_fence_release, cxl_fence_sc,
+                                    cxl_load64_volatile, cxl_now_ns, cxl_pid,
                                     cxl_store64_volatile, unlikely)
 from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_verify, cxl_node_gone)
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
+from cxlrt.includes.thread cimport cxl_sleep_ns
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
 from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
@@ -317,6 +318,24 @@ cdef int _mgr_watch(cxl_lockctx* L, cxl_mgr_watch* w, uint64_t now) noexcept nog
     return 0
 
 
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+
+cdef inline void _grant_backoff(uint64_t* spins) noexcept nogil:
+    """A manager-mode waiter's backoff: a few pauses, then yields for a long while, and
+    only then sleeps. A spinning manager grants within microseconds, but the holder
+    and the manager need the CPU for it; a sleep (2 us asked, ~60 us on a VM) would
+    overshoot the grant many times over."""
+    spins[0] += 1
+    if spins[0] < 8:
+        cxl_cpu_relax()
+    elif spins[0] < 8192:
+        sched_yield()
+    else:
+        cxl_sleep_ns(50_000)
+
+
 cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
     """Publish a request on our line, then wait for a grant of the current manager."""
     cdef const cxl_region* r = L.r
@@ -366,7 +385,7 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
             rc = _mgr_watch(L, &watch, now)
             if rc != 0:
                 break
-        cxl_backoff(&spins)
+        _grant_backoff(&spins)
     # Withdraw: releasing the request also releases a grant that raced the timeout.
     cxl_store64(r, me + 24, seq)
     cxl_persist(r, me, 64)
@@ -497,10 +516,6 @@ cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st
     if st.held or st.wrote:
         return _mgr_publish(L, id, epoch, 0, st)
     return 0
-
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
 
 
 cdef int _mgr_passes(cxl_lockctx* L, uint32_t* ids, uint32_t n, uint64_t epoch,

@@ -65,6 +65,20 @@ cdef enum:
     KV_QUARANTINE_LEASES = 8   # see kvcache.pyx: release of a dead node's quarantine
     KV_COPY_CHUNK = 1048576    # bytes copied between two progress/epoch checks
     CXLRT_E_KVCORRUPT = -1030  # an entry or payload header that cannot be right
+    KV_ENTRY_META = 16         # offset of kv_entry.meta (checked at import)
+    KV_KEY_BYTES = 16          # a chained block key (cxlrt.hashing.KEY_BYTES)
+
+
+cdef enum:                     # the words of a node's stats line, in STAT_NAMES order
+    KV_ST_LOOKUPS = 0
+    KV_ST_HITS = 1             # blocks a lookup pinned
+    KV_ST_MISSES = 2           # keys a lookup asked for and did not pin
+    KV_ST_STORES = 3           # blocks stored
+    KV_ST_SKIPPED = 4          # keys a store found present or being written
+    KV_ST_EVICTIONS = 5
+    KV_ST_BYTES_STORED = 6
+    KV_ST_BYTES_LOADED = 7
+    KV_ST_WORDS = 8            # one 64-byte line per node
 
 
 ctypedef struct kv_entry:

@@ -89,7 +89,12 @@ Loads
     after the copy, so it never returns bytes that are not the stored block.
     Lookups and loads do no fencing work of their own.
 """
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+cimport cython
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize,
+                            PyBytes_GET_SIZE)
+from cpython.object cimport PyObject
+from cpython.sequence cimport (PySequence_Fast, PySequence_Fast_GET_SIZE,
+                               PySequence_Fast_ITEMS)
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -119,11 +124,15 @@ from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01" (the version word says the format)
 cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
 cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
-cdef uint64_t STATS_WORDS = 8
 # A record's `where` for a payload evicted despite void pins: no writer, the nodes
 # that pinned it (mask in `start`). A _where_hash() never equals it by chance.
 cdef uint64_t KV_PIN_WHERE = 0x534E4950444956   # "VIDPINS"
 cdef int* _armed = cxl_crash_armed_ptr()
+
+cdef kv_entry _proto
+if (<char*>&_proto.meta - <char*>&_proto != KV_ENTRY_META or sizeof(kv_entry) != 64
+        or KV_KEY_BYTES != KEY_BYTES):
+    raise ImportError("cxlrt.kvcache: kv_entry layout and KV_ENTRY_META/KV_KEY_BYTES disagree")
 
 
 DIR_PREFIX = "kv/"  # directory names of KV caches
@@ -282,6 +291,8 @@ cdef class KVCache:
     cdef uint64_t _hold_t0               # our ns when the current sound hold began, 0 none
     cdef dict _seen                      # (slot, epoch) -> (progress, our ns when it last moved)
     cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
+    cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
+    cdef int _pend_pid                   # the process they belong to
 
     def __init__(self, Region region not None, str name not None, *, block_bytes=None,
                  capacity_blocks=None, block_tokens=16, algorithm="blake2b", salt=b"",
@@ -340,14 +351,14 @@ cdef class KVCache:
 
     def _total(self):
         return (KV_HEADER + self.slots * 64 + self._nodes * self.slots * 8
-                + self._nodes * STATS_WORDS * 8 + self.slots * 64 + self._nrec * 64)
+                + self._nodes * KV_ST_WORDS * 8 + self.slots * 64 + self._nrec * 64)
 
     def _sections(self, uint64_t base):
         """(entries, pins, stats, claims, records) offsets of a cache object at `base`."""
         entries = base + KV_HEADER
         pins = entries + self.slots * 64
         stats = pins + self._nodes * self.slots * 8
-        claims = stats + self._nodes * STATS_WORDS * 8
+        claims = stats + self._nodes * KV_ST_WORDS * 8
         return entries, pins, stats, claims, claims + self.slots * 64
 
     def _geometry(self):
@@ -962,9 +973,9 @@ cdef class KVCache:
         return n
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
-        """Add d[0..STATS_WORDS) to our node's stats line (pin mutex held)."""
-        cdef uint64_t at = self._stats + self._node * STATS_WORDS * 8
-        cdef uint64_t w[8]
+        """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held)."""
+        cdef uint64_t at = self._stats + self._node * KV_ST_WORDS * 8
+        cdef uint64_t w[KV_ST_WORDS]
         cdef int rc = cxl_load(self.r, at, w, 64), i
         if rc != 0:
             return rc
@@ -1028,40 +1039,46 @@ cdef class KVCache:
         ``hit.release()`` or the end of a ``with`` block.
         """
         self._need_open()
-        cdef tuple ks = tuple(_keys(keys))
-        cdef uint64_t n = len(ks), m = 0, j
         cdef int pid = cxl_pid()  # cached, reset at fork: getpid() is a system call
         if self._pt._rec < 0 or self._pt._rec_pid != pid:
             self._pt.claim()
         cdef Hit hit = Hit.__new__(Hit)
+        hit._fill(keys)
         hit.cache = self
         hit.owner_pid = pid
-        hit._alloc(n)
-        for j in range(n):
-            hit.keyp[j] = PyBytes_AS_STRING(ks[j])  # ks outlives the Hit: hit.keys keeps it
-        hit.keys = ks
+        cdef uint64_t n = hit.n, m = 0
+        cdef uint64_t st[KV_ST_WORDS]
         cdef int rc
+        self._take_pending(st)  # rides on the pin pass, if there is one
         self.region._busy += 1  # Region.close() refuses while we run without the GIL
         try:
             with nogil:
-                rc = self._lookup(hit.keyp, n, hit, &m)
+                rc = self._lookup(hit, st, &m)
         finally:
             self.region._busy -= 1
         hit.n = m
-        hit.keys = ks[:m] if m < n else ks
-        for j in range(m):
-            hit.keyp[j] = PyBytes_AS_STRING(hit.keys[j])
+        if rc != 0 or m == 0:
+            self._add_pending(st)  # no pin pass published them
+        cdef uint64_t* pend = self._pending()
+        pend[KV_ST_LOOKUPS] += 1
+        pend[KV_ST_HITS] += m
+        pend[KV_ST_MISSES] += n - m
         if rc != 0:
             self._raise(rc, "lookup")
         return hit
 
-    cdef int _lookup(self, const char** kp, uint64_t n, Hit hit, uint64_t* out) noexcept nogil:
+    cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out) noexcept nogil:
+        """Probe the keys, pin the leading ready run in one pass of the pin mutex
+        (with the pending counters `st`), then observe each pinned entry's state
+        word once more; `out` gets how many stay pinned.
+        Budget for a hit of n blocks: n probes (one line each), one mutex pass and
+        one fence, n 8-byte observes; a miss of the first key takes no mutex."""
         cdef kv_entry e
-        cdef uint64_t j, m = 0, free_slot, s = 0, keep
-        cdef uint64_t st[8]
+        cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w
         cdef int rc = 0, found
-        for j in range(n):
-            found = self._probe(kp[j], &s, &e, &free_slot)
+        out[0] = 0
+        for j in range(hit.n):
+            found = self._probe(hit.key(j), &s, &e, &free_slot)
             if found < 0:
                 return found
             if found == 0 or _state(&e) != KV_READY:
@@ -1073,11 +1090,13 @@ cdef class KVCache:
             hit.gens[m] = _gen(&e)
             hit.offs[m] = e.off
             m += 1
-        memset(st, 0, sizeof(st))
+        if m == 0:
+            return 0
         rc = self._pt.enter()
         if rc != 0:
             return rc
-        if m:
+        rc = self._stat_add(st)
+        if rc == 0:
             rc = self._pt.add_locked(hit.slots, m, 1)  # ends with a full fence
             if rc == CXLRT_E_KVPINS:  # a block pinned 65535 times by us: the hit ends there
                 m = self._pt.done
@@ -1087,32 +1106,77 @@ cdef class KVCache:
             return rc
         if m and unlikely(_armed[0]):
             cxl_crash_hit(b"kv.pin")
-        # Re-read after the fence: an evictor that missed our pin has marked the
-        # entry (EVICTING or a new generation) before reading pins, so we see it.
+        # Observe each state word after the fence (pairs with the evictor's fence
+        # between marking an entry EVICTING, or giving it a new generation, and
+        # reading the pins): an evictor that missed our pin has changed the word.
+        # One word suffices: the offset changes only with the generation.
         keep = m
         for j in range(m):
-            rc = self._read(hit.slots[j], &e)
-            if rc != 0:
-                break
-            if _state(&e) != KV_READY or _gen(&e) != hit.gens[j] or e.off != hit.offs[j]:
+            w = 0
+            rc = cxl_flush(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, 8)
+            if rc == 0:
+                rc = cxl_load64(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, &w)
+            want = (hit.gens[j] << 8) | KV_READY
+            if rc != 0 or w != want:
                 keep = j
                 break
         if rc != 0:
             keep = 0
-        st[0] = 1
-        st[1] = keep
-        st[2] = n - keep
-        if self._pt.enter() == 0:
-            if keep < m:
-                self._pt.add_locked(hit.slots + keep, m - keep, -1)
-            self._stat_add(st)
-            cxl_fence(self.r)
+        if keep < m and self._pt.enter() == 0:
+            self._pt.add_locked(hit.slots + keep, m - keep, -1)
             self._pt.leave()
         out[0] = keep
         return rc
 
-    cdef int _unpin(self, const uint64_t* slots, uint64_t n) noexcept nogil:
-        return self._pt.add(slots, n, -1)
+    cdef int _unpin(self, const uint64_t* slots, uint64_t n, const uint64_t* st) noexcept nogil:
+        """Give back our pins on `slots`, publishing the pending counters `st`
+        (NULL: none) in the same pass of the pin mutex."""
+        cdef int rc = self._pt.enter()
+        if rc != 0:
+            return rc
+        if st != NULL:
+            rc = self._stat_add(st)  # flushed here, drained by add_locked's fence
+        if rc == 0:
+            rc = self._pt.add_locked(slots, n, -1)
+        self._pt.leave()
+        return rc
+
+    # --- process-local counters ------------------------------------------------------------
+    # Lookups and loads count into _pend (GIL held) instead of taking the pin mutex
+    # for a counter: the next pass of the mutex (a pin, a release, a store, stats(),
+    # close()) publishes them. Counters of a process that dies unpublished are lost;
+    # they are statistics, never a basis for a decision.
+
+    cdef uint64_t* _pending(self) noexcept:
+        """This process's pending counters (GIL held)."""
+        if self._pend_pid != cxl_pid():  # a forked child: its parent publishes those
+            memset(self._pend, 0, sizeof(self._pend))
+            self._pend_pid = cxl_pid()
+        return self._pend
+
+    cdef void _take_pending(self, uint64_t* st) noexcept:
+        """Move the pending counters into `st` (GIL held)."""
+        memcpy(st, self._pending(), sizeof(self._pend))
+        memset(self._pend, 0, sizeof(self._pend))
+
+    cdef void _add_pending(self, const uint64_t* st) noexcept:
+        """Put counters a failed or skipped pass did not publish back (GIL held)."""
+        cdef uint64_t* pend = self._pending()
+        cdef int i
+        for i in range(KV_ST_WORDS):
+            pend[i] += st[i]
+
+    cdef int _publish_pending(self) except -1:
+        """One pass of the pin mutex that publishes the pending counters."""
+        cdef uint64_t st[KV_ST_WORDS]
+        cdef int rc
+        self._take_pending(st)
+        with nogil:
+            rc = self._stats_locked(st)
+        if rc != 0:
+            self._add_pending(st)
+            self._raise(rc, "stats")
+        return 0
 
     # --- load ------------------------------------------------------------------------------
 
@@ -1123,7 +1187,7 @@ cdef class KVCache:
         if rc != 0:
             return rc
         if h[0] != PMAGIC or h[3] != hit.gens[i] or h[4] != self.block_bytes \
-                or h[5] != self.offset or memcmp(&h[1], hit.keyp[i], 16) != 0:
+                or h[5] != self.offset or memcmp(&h[1], hit.key(i), KV_KEY_BYTES) != 0:
             self._bad_slot = hit.slots[i]
             return CXLRT_E_KVCORRUPT
         return 0
@@ -1178,7 +1242,6 @@ cdef class KVCache:
         cdef unsigned char[::1] mv
         cdef char* p
         cdef int rc = 0
-        cdef uint64_t st[8]
         for i in range(n):
             mv = dst[i]
             p = <char*>&mv[0]
@@ -1194,24 +1257,12 @@ cdef class KVCache:
                 self.region._busy -= 1
             if rc != 0:
                 self._raise_stale(hit, first + i, rc, "load")
-        memset(st, 0, sizeof(st))
-        st[7] = n * bb
-        with nogil:
-            rc = self._stats_locked(st)
-        if rc != 0:
-            self._raise(rc, "load")
+        self._pending()[KV_ST_BYTES_LOADED] += n * bb
         return out
 
     def _count_loaded(self, uint64_t nbytes):
         """Count bytes a load path outside load() copied (the CUDA one)."""
-        cdef uint64_t st[8]
-        cdef int rc
-        memset(st, 0, sizeof(st))
-        st[7] = nbytes
-        with nogil:
-            rc = self._stats_locked(st)
-        if rc != 0:
-            self._raise(rc, "load")
+        self._pending()[KV_ST_BYTES_LOADED] += nbytes
 
     def views(self, Hit hit not None):
         """Zero-copy read-only views of the hit's blocks (mappable backends only).
@@ -1267,7 +1318,7 @@ cdef class KVCache:
         from cxlrt._buffers import sources
         srcs = sources(blocks, n, bb)
         cdef list reserved = []          # (slot, gen, off, index)
-        cdef uint64_t st[8]
+        cdef uint64_t st[KV_ST_WORDS]
         memset(st, 0, sizeof(st))
         self._ident()
         self._hold(None)
@@ -1276,7 +1327,7 @@ cdef class KVCache:
             for j in range(n):
                 got = self._reserve(ks[j])
                 if got is None:
-                    st[4] += 1
+                    st[KV_ST_SKIPPED] += 1
                     continue
                 if got is False:
                     break  # no room even after eviction: store what we have
@@ -1299,13 +1350,10 @@ cdef class KVCache:
         finally:
             if reserved:
                 published, lost = self._publish(reserved, ks, done)
-        st[3] = len(published)
-        st[6] = len(published) * bb
-        cdef int rc
-        with nogil:
-            rc = self._stats_locked(st)
-        if rc != 0:
-            self._raise(rc, "store")
+        st[KV_ST_STORES] = len(published)
+        st[KV_ST_BYTES_STORED] = len(published) * bb
+        self._add_pending(st)
+        self._publish_pending()
         stored = [ks[j] for j in published]
         if lost:
             raise ClaimLost(
@@ -1776,11 +1824,7 @@ cdef class KVCache:
                     return False  # no record line free: it stays (EVICTING reads as a miss)
             elif not self._bury(s, &e, KV_REC_EVICT, NULL, "evict"):
                 return False  # no record line free: it stays (EVICTING reads as a miss)
-        cdef uint64_t st[8]
-        memset(st, 0, sizeof(st))
-        st[5] = 1
-        with nogil:
-            rc = self._stats_locked(st)
+        self._pending()[KV_ST_EVICTIONS] += 1
         return True
 
     def _sweep_tombstones(self):
@@ -1845,10 +1889,11 @@ cdef class KVCache:
         """Counters summed over nodes, plus occupancy (blocks), capacity, and the
         payloads on their way back to the allocator (quarantined, deferred)."""
         self._need_open()
+        self._publish_pending()
         tot = dict.fromkeys(STAT_NAMES, 0)
         r = self.region
         for j in range(self._nodes):
-            at = self._stats + j * STATS_WORDS * 8
+            at = self._stats + j * KV_ST_WORDS * 8
             r.flush(at, 64)
             raw = r.load(at, 64)
             for i, k in enumerate(STAT_NAMES):
@@ -1914,6 +1959,11 @@ cdef class KVCache:
         """
         if self._closed:
             return
+        if self._pt is not None and not self.r.closed:
+            try:
+                self._publish_pending()
+            except Exception:  # noqa: BLE001  (counters only: closing must go on)
+                pass
         self._closed = True
         if self._pt is not None:
             self._pt.close()
@@ -1929,6 +1979,7 @@ cdef class KVCache:
                 f"capacity={self.capacity} on {self.region.spec}>")
 
 
+@cython.no_gc  # refers only to its cache and bytes: it cannot be part of a cycle
 cdef class Hit:
     """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``.
 
@@ -1938,29 +1989,49 @@ cdef class Hit:
     """
 
     cdef readonly KVCache cache
-    cdef readonly tuple keys
     cdef uint64_t n
-    cdef uint64_t* slots
+    cdef uint64_t* slots          # one allocation: slots, gens, offs, then the keys
     cdef uint64_t* gens
     cdef uint64_t* offs
-    cdef const char** keyp
+    cdef char* kb                 # KEY_BYTES per key, copied: the caller's list may change
     cdef readonly bint released
     cdef int owner_pid
 
-    def __cinit__(self):
-        self.keys = ()
-
-    cdef _alloc(self, uint64_t n):
-        cdef uint64_t k = max(n, 1)
-        self.slots = <uint64_t*>malloc(k * 8)
-        self.gens = <uint64_t*>malloc(k * 8)
-        self.offs = <uint64_t*>malloc(k * 8)
-        self.keyp = <const char**>malloc(k * sizeof(char*))
-        if self.slots == NULL or self.gens == NULL or self.offs == NULL or self.keyp == NULL:
+    cdef int _fill(self, keys) except -1:
+        """Validate `keys` (a sequence of 16-byte bytes) and copy them in."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of 16-byte keys, not one bytes object")
+        seq = PySequence_Fast(keys, "keys must be a sequence of 16-byte keys")
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), j
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef object k
+        cdef size_t total = <size_t>max(n, 1) * (24 + KV_KEY_BYTES)
+        self.slots = <uint64_t*>malloc(total)
+        if self.slots == NULL:
             raise MemoryError()
+        self.gens = self.slots + max(n, 1)
+        self.offs = self.gens + max(n, 1)
+        self.kb = <char*>(self.offs + max(n, 1))
+        for j in range(n):
+            k = <object>items[j]
+            if not PyBytes_CheckExact(k) or PyBytes_GET_SIZE(k) != KV_KEY_BYTES:
+                raise ValueError(f"keys must be {KV_KEY_BYTES}-byte bytes (from block_hashes), "
+                                 f"got {k!r:.40}")
+            memcpy(self.kb + j * KV_KEY_BYTES, PyBytes_AS_STRING(k), KV_KEY_BYTES)
+        self.n = n
+        return 0
+
+    cdef inline const char* key(self, uint64_t i) noexcept nogil:
+        return self.kb + i * KV_KEY_BYTES
 
     def __len__(self):
         return self.n
+
+    @property
+    def keys(self):
+        """The pinned blocks' keys, in order (a tuple of bytes)."""
+        return tuple([PyBytes_FromStringAndSize(self.kb + i * KV_KEY_BYTES, KV_KEY_BYTES)
+                      for i in range(self.n)])
 
     @property
     def nbytes(self):
@@ -1974,12 +2045,15 @@ cdef class Hit:
     def release(self):
         """Unpin the blocks (idempotent)."""
         cdef int rc = 0
+        cdef uint64_t st[KV_ST_WORDS]
         mine = self._mine()
         self.released = True
         if mine:
+            self.cache._take_pending(st)  # the lookup's own counters go with the unpin
             with nogil:
-                rc = self.cache._unpin(self.slots, self.n)
+                rc = self.cache._unpin(self.slots, self.n, st)
             if rc != 0:
+                self.cache._add_pending(st)
                 self.cache._raise(rc, "release")
 
     def __enter__(self):
@@ -1990,11 +2064,8 @@ cdef class Hit:
 
     def __dealloc__(self):
         if self._mine():
-            self.cache._unpin(self.slots, self.n)
+            self.cache._unpin(self.slots, self.n, NULL)
         free(self.slots)
-        free(self.gens)
-        free(self.offs)
-        free(self.keyp)
 
     def __repr__(self):
         return f"<Hit {self.n} blocks{' released' if self.released else ''}>"
@@ -2005,8 +2076,8 @@ cdef list _keys(keys):
         raise TypeError("keys must be a sequence of 16-byte keys, not one bytes object")
     out = []
     for k in keys:
-        if not isinstance(k, bytes) or PyBytes_GET_SIZE(k) != KEY_BYTES:
-            raise ValueError(f"keys must be {KEY_BYTES}-byte bytes (from block_hashes), "
+        if not PyBytes_CheckExact(k) or PyBytes_GET_SIZE(k) != KV_KEY_BYTES:
+            raise ValueError(f"keys must be {KV_KEY_BYTES}-byte bytes (from block_hashes), "
                              f"got {k!r:.40}")
         out.append(k)
     return out
@@ -2086,7 +2157,7 @@ def describe(region, uint64_t dir_off):
                         occupancy=struct.unpack_from("<Q", head, 128)[0])
             totals = dict.fromkeys(STAT_NAMES, 0)
             for j in range(lay[0]):
-                words = struct.unpack("<8Q", region.dma_read(lay[3] + j * STATS_WORDS * 8, 64))
+                words = struct.unpack("<8Q", region.dma_read(lay[3] + j * KV_ST_WORDS * 8, 64))
                 for k, v in zip(STAT_NAMES, words, strict=True):
                     totals[k] += v
             item.update(totals)

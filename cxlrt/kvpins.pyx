@@ -7,7 +7,7 @@ from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
 from cxlrt.backend cimport cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
-from cxlrt.includes.intrin cimport cxl_pid, cxl_wall_ns
+from cxlrt.includes.intrin cimport cxl_pid, cxl_wall_coarse_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
 from cxlrt.mapping cimport Mapping
 
@@ -127,7 +127,7 @@ cdef class PinTable:
         """Add `delta` to our node's pin on each slot, in the region and in our
         record, and publish (pin mutex held). `done` tells how many slots took it:
         all of them, or on CXLRT_E_KVPINS those before the saturated one."""
-        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
+        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_coarse_ns() // 1000000  # an LRU hint
         cdef uint16_t* mine
         cdef int rc = 0
         if self._rec < 0 or self._rec_pid != cxl_pid():

@@ -85,6 +85,36 @@ def test_lookup_returns_the_leading_run_only(backend):
     r.close()
 
 
+
+def test_counters_reach_the_region_at_release_and_stats(backend):
+    """Lookups count in process memory and reach the region with the next pass of
+    the pin mutex: another node sees a hit's counts once it is released, a miss's
+    once this process asks for stats; a forked child never publishes its parent's."""
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    ca, cb = open_cache(a), open_cache(b)
+    keys = ca.block_hashes(chain(0, 3))
+    ca.store(keys, [block_for(k) for k in keys])
+    with ca.lookup(keys) as hit:
+        assert len(hit) == 3
+    st = cb.stats()
+    assert (st["lookups"], st["hits"], st["misses"]) == (1, 3, 0)
+    ca.lookup(ca.block_hashes(chain(1, 2))).release()  # a miss: no pin pass at all
+    assert cb.stats()["lookups"] == 1
+    pid = os.fork()
+    if pid == 0:  # the child publishes its own lookups only
+        try:
+            ca.lookup(keys[:1]).release()
+            os._exit(0 if ca.stats()["lookups"] == 2 else 1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0
+    st = ca.stats()
+    assert (st["lookups"], st["hits"], st["misses"]) == (3, 4, 2)
+    assert st["bytes_loaded"] == 0
+    a.close()
+    b.close()
+
 def test_load_targets(backend):
     r = backend.create(nodes=1)
     c = open_cache(r)

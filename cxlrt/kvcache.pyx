@@ -96,7 +96,7 @@ from cpython.object cimport PyObject
 from cpython.sequence cimport (PySequence_Fast, PySequence_Fast_GET_SIZE,
                                PySequence_Fast_ITEMS)
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_dma_read, cxl_dma_write,
@@ -251,6 +251,51 @@ cdef inline bint _holds(const kv_entry* e) noexcept nogil:
 
 # --- the cache ----------------------------------------------------------------------
 
+ctypedef struct kv_cand:       # an eviction candidate (process memory only)
+    uint64_t rec                # last use, ms (an LRU hint)
+    uint64_t slot
+
+
+cdef inline bint _cand_after(const kv_cand* a, const kv_cand* b) noexcept nogil:
+    return a.rec > b.rec or (a.rec == b.rec and a.slot > b.slot)
+
+
+cdef int _cand_cmp(const void* a, const void* b) noexcept nogil:
+    if _cand_after(<const kv_cand*>a, <const kv_cand*>b):
+        return 1
+    if _cand_after(<const kv_cand*>b, <const kv_cand*>a):
+        return -1
+    return 0
+
+
+cdef void _heap_up(kv_cand* h, uint64_t i) noexcept nogil:
+    """Restore the max-heap (most recent at h[0]) after h[i] was appended."""
+    cdef kv_cand t
+    cdef uint64_t p
+    while i > 0:
+        p = (i - 1) // 2
+        if not _cand_after(&h[i], &h[p]):
+            return
+        t = h[i]; h[i] = h[p]; h[p] = t
+        i = p
+
+
+cdef void _heap_down(kv_cand* h, uint64_t n) noexcept nogil:
+    """Restore the max-heap of n after h[0] was replaced by an older candidate."""
+    cdef kv_cand t
+    cdef uint64_t i = 0, c
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _cand_after(&h[c + 1], &h[c]):
+            c += 1
+        if not _cand_after(&h[c], &h[i]):
+            return
+        t = h[i]; h[i] = h[c]; h[c] = t
+        i = c
+
+
 cdef class KVCache:
     """A prefix-aware KV block cache shared by every node of a region.
 
@@ -293,6 +338,7 @@ cdef class KVCache:
     cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
     cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
     cdef int _pend_pid                   # the process they belong to
+    cdef object __weakref__              # Region._closing holds us weakly
 
     def __init__(self, Region region not None, str name not None, *, block_bytes=None,
                  capacity_blocks=None, block_tokens=16, algorithm="blake2b", salt=b"",
@@ -336,6 +382,7 @@ cdef class KVCache:
                                          f"-kv{self.offset:x}.pins")
         self._pt = PinTable(region, <size_t>self.L, self._pin_lock, self._pins, self.slots, path)
         self._closed = False
+        region._closing.add(self)  # publishes our pending counters if the region closes first
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
 
     def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
@@ -1732,47 +1779,96 @@ cdef class KVCache:
         """
         cdef kv_entry e
         cdef kv_claim c
-        cdef uint64_t s, rec, gone
+        cdef kv_cand* cands
+        cdef uint64_t* writing
+        cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(want, self.slots)
         cdef int rc, verdict
-        cdef list cands = []
-        used = 0
-        for s in range(self.slots):
+        cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * 8)
+        if cands == NULL:
+            raise MemoryError()
+        writing = <uint64_t*>(cands + max(k, 1))
+        try:
             with nogil:
-                rc = self._read(s, &e)
-            if rc != 0:
-                self._raise(rc, "evict")
-            st = _state(&e)
-            if st in (KV_WRITING, KV_READY, KV_EVICTING):
-                used += 1
-            if st == KV_WRITING:
-                verdict = self._judge(s, &e, &c)
-                if verdict:
-                    cands.append((-1, s, verdict))
-                continue
-            if st != KV_READY and st != KV_EVICTING:
-                continue
-            rec = e.stamp_ns // 1000000  # an LRU hint: clocks of hosts may disagree
-            with nogil:
-                rc = self._pinned(s, &rec, &gone)
+                rc = self._scan(cands, k, &nc, writing, &nw, &used)
             if rc < 0:
                 self._raise(rc, "evict")
-            if rc == 0 or self._ignore_pins:
-                cands.append((rec, s, 0))
-        # The scan saw every entry under the lock: the exact count, whatever a crash
-        # between an entry write and a counter update left behind.
-        self._set_occupancy(used, used * self.block_bytes)
-        cands.sort()
-        freed = 0
-        for prio, slot, verdict in cands:
-            if freed >= want:
-                break
-            if self._evict_one(slot, verdict):
-                freed += 1
+            # The scan saw every entry under the lock: the exact count, whatever a
+            # crash between an entry write and a counter update left behind.
+            self._set_occupancy(used, used * self.block_bytes)
+            freed = 0
+            # Every writer is judged (a judgement watches its progress across calls);
+            # those judged gone go first (their blocks can never become ready), then
+            # the oldest unpinned blocks, oldest first.
+            gone = []
+            for i in range(nw):
+                s = writing[i]
+                with nogil:
+                    rc = self._read(s, &e)
+                self._io(rc, "evict")
+                if _state(&e) == KV_WRITING:
+                    verdict = self._judge(s, &e, &c)
+                    if verdict:
+                        gone.append((s, verdict))
+            for s, verdict in gone:
+                if freed >= want:
+                    break
+                if self._evict_one(s, verdict):
+                    freed += 1
+            if nc > 1:
+                qsort(cands, nc, sizeof(kv_cand), _cand_cmp)
+            for i in range(nc):
+                if freed >= want:
+                    break
+                if self._evict_one(cands[i].slot, 0):
+                    freed += 1
+        finally:
+            free(cands)
         if freed:
             self._sweep_tombstones()
         elif self._pt.recover():
             return self._evict(want)  # our node's dead processes held the pins
         return freed
+
+    cdef int _scan(self, kv_cand* cands, uint64_t k, uint64_t* nc, uint64_t* writing,
+                   uint64_t* nw, uint64_t* used) noexcept nogil:
+        """One pass over the table (cache lock held): count the live entries, list
+        the WRITING slots, and keep the `k` least recently used unpinned ready
+        blocks in `cands` (a max-heap on recency while it fills: O(slots log k)).
+        Budget: one line observe per slot, plus the pin words of a ready one."""
+        cdef kv_entry e
+        cdef uint64_t s, rec, gone
+        cdef uint32_t st
+        cdef int rc
+        nc[0] = nw[0] = used[0] = 0
+        for s in range(self.slots):
+            rc = self._read(s, &e)
+            if rc != 0:
+                return rc
+            st = _state(&e)
+            if st == KV_WRITING or st == KV_READY or st == KV_EVICTING:
+                used[0] += 1
+            if st == KV_WRITING:
+                writing[nw[0]] = s
+                nw[0] += 1
+                continue
+            if (st != KV_READY and st != KV_EVICTING) or k == 0:
+                continue
+            rec = e.stamp_ns // 1000000  # an LRU hint: clocks of hosts may disagree
+            rc = self._pinned(s, &rec, &gone)
+            if rc < 0:
+                return rc
+            if rc == 1 and not self._ignore_pins:
+                continue
+            if nc[0] < k:
+                cands[nc[0]].rec = rec
+                cands[nc[0]].slot = s
+                nc[0] += 1
+                _heap_up(cands, nc[0] - 1)
+            elif rec < cands[0].rec or (rec == cands[0].rec and s < cands[0].slot):
+                cands[0].rec = rec
+                cands[0].slot = s
+                _heap_down(cands, k)
+        return 0
 
     def _evict_one(self, uint64_t s, int verdict):
         cdef kv_entry e
@@ -1949,6 +2045,14 @@ cdef class KVCache:
         if s >= self.slots:
             raise IndexError(f"slot {s} of {self.slots}")
         return self._entries + s * 64
+
+    def _region_closing(self):
+        """The region is about to close under us: publish the pending counters."""
+        if not self._closed and self._pt is not None and not self.r.closed:
+            try:
+                self._publish_pending()
+            except Exception:  # noqa: BLE001  (counters only: closing must go on)
+                pass
 
     def close(self):
         """Detach: give this process's pins and pin-table record back. Idempotent.

@@ -16,6 +16,7 @@ cdef class Region:
     cdef object _heap              # Allocator, created on first use
     cdef object _dir               # Directory, created on first use
     cdef object _live              # Liveness: our membership of the node (None: observer)
+    cdef object _closing           # WeakSet: objects told before the mapping goes
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
 

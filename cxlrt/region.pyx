@@ -8,6 +8,7 @@ through ``_rc``; the same operations are available to Cython algorithms as the
 
 import os
 import time
+import weakref
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t
@@ -50,6 +51,7 @@ cdef class Region:
         self.spec = spec
         self.sections = {}
         self._busy = 0
+        self._closing = weakref.WeakSet()
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -119,6 +121,11 @@ cdef class Region:
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
+        # Objects that keep process-local state destined for the region (a KV cache's
+        # pending counters) write it while the mapping is still there.
+        for obj in list(self._closing):
+            obj._region_closing()
+        self._closing.clear()
         live, self._live = self._live, None
         if self._locks is not None:
             self._locks.stop_manager()

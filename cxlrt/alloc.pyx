@@ -25,7 +25,8 @@ PEEK_EVERY heap-mutex sections of its own allocs and frees, in trim(), drain() a
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_region, cxl_store, cxl_store64
+from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_publish, cxl_region,
+                            cxl_store, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport cxl_fence_release, cxl_now_ns, unlikely
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
@@ -62,6 +63,7 @@ cdef enum:
     SMALL_MAGIC = 0x534D4C43
     RFREE_BYTES = 4096
     MAX_CLASS = 16384
+    CLASS_SHIFT0 = 6          # CLASSES[c] == 1 << (CLASS_SHIFT0 + c)
     # cxl_rfree_queue (layout.pxd): line 0 under the allocator lock, line 1 the owner's; the
     # three words of line 0, and of a link line, are read together (_observe3)
     RQ_HEAD = 0
@@ -99,6 +101,7 @@ def _geometry(int cls):
         n -= 1
 
 
+assert all(_c == 1 << (CLASS_SHIFT0 + _i) for _i, _c in enumerate(CLASSES))
 for _i, _c in enumerate(CLASSES):
     CLASS_SIZE[_i] = _c
     CLASS_SLOTS[_i], CLASS_DATA[_i] = _geometry(_c)
@@ -181,8 +184,9 @@ cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noex
             rc = cxl_store64(A.r, base + 64 + i * 8, w | (<uint64_t>1 << b))
             if rc == 0:
                 # Publish the bit before the object is handed out: another node
-                # validating a free of it must see it allocated.
-                rc = cxl_persist(A.r, base + 64 + i * 8, 8)
+                # validating a free of it must see it allocated. The hand-out is a
+                # store, so ordering before later stores is enough (cxl_publish).
+                rc = cxl_publish(A.r, base + 64 + i * 8, 8)
             if rc == 0:
                 out[0] = base + CLASS_DATA[c] + (i * 64 + b) * CLASS_SIZE[c]
                 if unlikely(_armed[0]):
@@ -219,7 +223,7 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
         return CXLRT_E_DOUBLEFREE
     rc = cxl_store64(A.r, off, w & ~bit)
     if rc == 0:
-        rc = cxl_persist(A.r, off, 8)
+        rc = cxl_publish(A.r, off, 8)  # before the heap mutex's release store
     left[0] = w & ~bit
     return rc
 
@@ -937,9 +941,9 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     if off < _chunk_off(A, k) + CLASS_DATA[c]:
         return CXLRT_E_BADFREE
     rel = off - _chunk_off(A, k) - CLASS_DATA[c]
-    if rel % CLASS_SIZE[c] or rel // CLASS_SIZE[c] >= CLASS_SLOTS[c]:
+    slot = rel >> (CLASS_SHIFT0 + c)  # sizes are 64 << c: no divide on the free path
+    if (rel & (CLASS_SIZE[c] - 1)) or slot >= CLASS_SLOTS[c]:
         return CXLRT_E_BADFREE
-    slot = rel // CLASS_SIZE[c]
     if owner != A.node:
         return _free_remote(A, off, owner, k, slot)
     rc = _heap_lock(A, &applied)

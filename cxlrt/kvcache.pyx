@@ -1372,7 +1372,7 @@ cdef class KVCache:
         try:
             self._settle()
             for j in range(n):
-                got = self._reserve(ks[j])
+                got = self._reserve(ks[j], n - j)
                 if got is None:
                     st[KV_ST_SKIPPED] += 1
                     continue
@@ -1487,8 +1487,10 @@ cdef class KVCache:
         for s, gen, off, j in reserved:
             self.region.dma_write(off + KV_PROGRESS, v)
 
-    cdef object _reserve(self, bytes key):
-        """Claim a slot and a payload for `key` (cache lock held).
+    cdef object _reserve(self, bytes key, uint64_t need):
+        """Claim a slot and a payload for `key`, the first of `need` keys this store
+        still reserves (cache lock held): a full cache evicts for all of them at once,
+        one table scan per store rather than one per capacity/16 keys.
 
         (slot, gen, off) claimed; None when the key is present or being written;
         False when there is no room even after evicting.
@@ -1516,7 +1518,7 @@ cdef class KVCache:
                     self._raise(rc, "store")
                 return None
         if self._occupancy() >= self.capacity:
-            if not self._evict(max(1, self.capacity // 16)):
+            if not self._evict(self._batch(need)):
                 return False
             with nogil:
                 rc = self._probe(kp, &s, &e, &free_slot)
@@ -1528,7 +1530,7 @@ cdef class KVCache:
             off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
         except OutOfMemory:
             off = 0
-            while off == 0 and self._evict(max(1, self.capacity // 16)):
+            while off == 0 and self._evict(self._batch(need)):
                 try:
                     off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
                 except OutOfMemory:
@@ -1771,6 +1773,11 @@ cdef class KVCache:
                 recency_ms[0] = w >> 16
         return pinned
 
+    cdef uint64_t _batch(self, uint64_t need) noexcept:
+        """Blocks to evict for a store that still needs `need`: at least capacity/16
+        (so small stores do not scan the table each), at most the capacity."""
+        return min(max(need, self.capacity // 16, <uint64_t>1), self.capacity)
+
     def _evict(self, uint64_t want):
         """Evict up to `want` least-recently-used unpinned blocks (cache lock held).
 
@@ -1924,25 +1931,36 @@ cdef class KVCache:
         return True
 
     def _sweep_tombstones(self):
-        """Turn tombstones that end a probe run into empty slots (cache lock held).
-
-        A tombstone followed by an empty slot ends every run through it, so it can
-        be empty itself; walking down from each empty slot clears whole tails.
-        """
-        cdef kv_entry e, nxt
-        cdef uint64_t s, i
+        """Turn tombstones that end a probe run into empty slots (cache lock held)."""
         cdef int rc
-        for i in range(self.slots):
-            s = self._mask - i
-            with nogil:
-                rc = self._read(s, &e)
-                if rc == 0 and _state(&e) == KV_TOMBSTONE:
-                    rc = self._read((s + 1) & self._mask, &nxt)
-                    if rc == 0 and _state(&nxt) == KV_EMPTY:
-                        e.meta = (_gen(&e) << 8) | KV_EMPTY
-                        rc = self._write(s, &e)
+        with nogil:
+            rc = self._sweep()
+        if rc != 0:
+            self._raise(rc, "evict")
+
+    cdef int _sweep(self) noexcept nogil:
+        """A tombstone followed by an empty slot ends every run through it, so it can
+        be empty itself: one walk down the table, each slot observed once, clears
+        whole tails (the slot above is the one just walked, or slot 0 at the top)."""
+        cdef kv_entry e
+        cdef uint64_t s = self.slots
+        cdef uint32_t above
+        cdef int rc = self._read(0, &e)
+        if rc != 0:
+            return rc
+        above = _state(&e)
+        while s:
+            s -= 1
+            rc = self._read(s, &e)
             if rc != 0:
-                self._raise(rc, "evict")
+                return rc
+            if _state(&e) == KV_TOMBSTONE and above == KV_EMPTY:
+                e.meta = (_gen(&e) << 8) | KV_EMPTY
+                rc = self._write(s, &e)
+                if rc != 0:
+                    return rc
+            above = _state(&e)
+        return 0
 
     def delete(self, keys):
         """Drop the blocks of `keys` now; returns the keys this call dropped.

@@ -99,11 +99,12 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcmp, memcpy, memset
 
-from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, cxl_dma_read, cxl_dma_write,
-                            cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load, cxl_load64,
-                            cxl_persist, cxl_region, cxl_store)
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, cxl_dma_read,
+                            cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
+                            cxl_load64, cxl_persist, cxl_region, cxl_store)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport cxl_backoff, cxl_now_ns, cxl_pid, cxl_wall_ns, unlikely
+from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
+                                    unlikely)
 from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
@@ -1121,9 +1122,13 @@ cdef class KVCache:
         Budget for a hit of n blocks: n probes (one line each), one mutex pass and
         one fence, n 8-byte observes; a miss of the first key takes no mutex."""
         cdef kv_entry e
-        cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w
+        cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w, h
         cdef int rc = 0, found
         out[0] = 0
+        if self.r.flags & CXL_F_DIRECT:  # every home line first: their misses overlap
+            for j in range(hit.n):
+                memcpy(&h, hit.key(j), 8)
+                cxl_prefetch(self.r.base + self._entries + (h & self._mask) * 64)
         for j in range(hit.n):
             found = self._probe(hit.key(j), &s, &e, &free_slot)
             if found < 0:
@@ -1139,6 +1144,7 @@ cdef class KVCache:
             m += 1
         if m == 0:
             return 0
+        self._pt.prefetch(hit.slots, m)
         rc = self._pt.enter()
         if rc != 0:
             return rc

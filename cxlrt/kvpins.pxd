@@ -49,6 +49,7 @@ cdef class PinTable:
     cdef void leave(self) noexcept nogil
     cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
+    cdef void prefetch(self, const uint64_t* slots, uint64_t n) noexcept nogil
     cdef int _rebuild(self) noexcept nogil
     cdef int _release(self, int k) noexcept nogil
     cdef uint16_t* _record(self, int k) noexcept nogil

@@ -6,8 +6,8 @@
 from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
-from cxlrt.includes.intrin cimport cxl_pid, cxl_wall_coarse_ns
+from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
+from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_coarse_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
 from cxlrt.mapping cimport Mapping
 
@@ -122,6 +122,19 @@ cdef class PinTable:
         rc = self.add_locked(slots, n, delta)
         self.leave()
         return rc
+
+    cdef void prefetch(self, const uint64_t* slots, uint64_t n) noexcept nogil:
+        """Name the lines add_locked() will write for `slots` (our record's counts,
+        and our pin words where the region is mapped), before taking the mutex."""
+        cdef uint64_t i
+        cdef uint16_t* mine
+        if self._rec < 0 or self._rec_pid != cxl_pid():
+            return
+        mine = self._record(self._rec)
+        for i in range(n):
+            cxl_prefetch_w(&mine[slots[i]])
+            if self.r.flags & CXL_F_DIRECT:
+                cxl_prefetch_w(self.r.base + self.at(self.node, slots[i]))
 
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
         """Add `delta` to our node's pin on each slot, in the region and in our

@@ -233,4 +233,10 @@ static inline void cxl_spin_ns(uint64_t ns)
         cxl_cpu_relax();
 }
 
+/* Start fetching p's line (cxl_prefetch_w: for a write). A hint that never faults:
+ * a lookup names all its lines first, so their misses overlap instead of queueing
+ * one behind the other through the probe loop. */
+static inline void cxl_prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+static inline void cxl_prefetch_w(const void *p) { __builtin_prefetch(p, 1, 3); }
+
 #endif /* CXL_INTRIN_H */

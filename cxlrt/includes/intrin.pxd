@@ -13,6 +13,8 @@ cdef extern from "cxl_intrin.h" nogil:
     void cxl_fence_sc()
     int cxl_pid()
     void cxl_cpu_relax()
+    void cxl_prefetch(const void* p)
+    void cxl_prefetch_w(const void* p)
     uint64_t cxl_load64_volatile(const void* p)
     void cxl_store64_volatile(void* p, uint64_t v)
     void cxl_flush_range(const void* p, uint64_t n)

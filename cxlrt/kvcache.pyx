@@ -2187,7 +2187,7 @@ cdef class Hit:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.release()
 
     def __dealloc__(self):

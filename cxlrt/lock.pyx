@@ -1200,7 +1200,7 @@ cdef class Lock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.release()
 
     def __repr__(self):

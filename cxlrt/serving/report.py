@@ -37,7 +37,9 @@ TTFT split (``ttft_split_s``)
       ``handoff_detail_s`` splits it into ``send`` (store/send at the prefill
       worker) and ``transit`` (the rest).
 
-    Per mode and turn the means; ``ttft_parts_s`` lists every request's parts.
+    Per mode and turn the means; ``ttft_parts_s`` lists every request's parts, and
+    where they happened: ``handoff_send``, ``handoff_transit``, ``prefill_kv_load``,
+    ``decode_kv_load``, ``prefill_compute``, ``decode_compute``.
 tokens equal
     Every generated token equals the monolithic run's (whole prompt in one
     prefill, then greedy decode) for the same conversation and turn.
@@ -82,6 +84,16 @@ def _handoff_detail(r: RequestResult) -> dict[str, float]:
     if "t_take" not in i:
         return {"send": 0.0, "transit": 0.0}
     return {"send": i["t_sent"] - i["t_computed"], "transit": i["t_start"] - i["t_sent"]}
+
+
+def _sides(r: RequestResult) -> dict[str, float]:
+    """Where ``r``'s KV load and compute happened: the prefill or the decode side."""
+    i = r.info
+    pre = "t_take" in i
+    return {"prefill_kv_load": i["t_loaded"] - i["t_take"] if pre else 0.0,
+            "decode_kv_load": i["t_kv"] - i["t_start"],
+            "prefill_compute": i["t_computed"] - i["t_loaded"] if pre else 0.0,
+            "decode_compute": r.t_issue + r.ttft_s - i["t_kv"]}
 
 
 def _mean_parts(parts: list[dict[str, float]], names: Iterable[str]) -> dict[str, float]:
@@ -155,7 +167,10 @@ def summarize(runs: dict[str, ModeRun], ref: Reference, turns: int) -> dict[str,
                       for t in range(turns)],
             "workers": run.workers,
             "ttft_parts_s": [dict(rid=r.rid, conv=r.conv, turn=r.turn + 1, ttft_s=r.ttft_s,
-                                  **ttft_split(r)) for r in run.requests],
+                                  **ttft_split(r),
+                                  **{f"handoff_{k}": v for k, v in _handoff_detail(r).items()},
+                                  **_sides(r))
+                             for r in run.requests],
         }
         modes[mode]["tokens_equal"] = modes[mode]["overall"]["tokens_equal"]
         modes[mode]["logits_match"] = modes[mode]["overall"]["logits_match"]

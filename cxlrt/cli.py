@@ -170,16 +170,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 DEMO_OPTIONS = ("prefill", "decode", "conversations", "turns", "system_tokens", "user_tokens",
-                "new_tokens", "block_tokens", "cache_blocks", "seed", "spec")
+                "new_tokens", "block_tokens", "cache_blocks", "seed", "spec", "modes")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """`--modes`: a comma list of demo modes, each named once."""
+    from cxlrt.serving.config import MODES
+    names = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in names if m not in MODES]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{'unknown mode ' + repr(bad[0]) if bad else 'a mode named twice'} in {text!r}; "
+            f"give a comma list of {', '.join(MODES)}")
+    return tuple(m for m in MODES if m in names)
 
 DEMO_HELP = """\
 Serves a multi-turn chat workload (C conversations x T turns, all sharing one
 system prompt; each turn's prompt holds the whole conversation so far) through
 a tiny transformer with fixed random weights, with P prefill and D decode worker
-processes, three ways in one run:
+processes, four ways in one run (--modes picks some):
   (a) no cache  P+D colocated workers recompute every prompt; no KV transfer
   (b) TCP       prefill computes the whole prompt's KV and sends it to decode
                 over a loopback TCP socket, as a NIC-based transfer does
+  (b') TCP+cache as (b), but each prefill worker keeps an LRU prefix cache of
+                the KV it computed in its own memory (LMCache-local style) and
+                computes only what it misses; still sends the whole prompt's KV
   (c) cxlrt     prefill looks the prompt's blocks up in a KV cache in the
                 shared region, computes and stores only the missing blocks, and
                 tells decode over a cxlrt channel which keys are ready; decode
@@ -189,7 +204,8 @@ Each worker is a separate process attached as its own node of an emulated rack
 
 Reports per turn and overall, per mode: prefix hit rate, KV bytes moved, time to
 first token (issue -> first token at decode; mean and p99), the TTFT ratios of
-(c) to (a) and (b), and whether every generated token equals a monolithic run
+(c) to (a), (b) and (b'), the mean TTFT split into queueing, KV load, compute
+and hand-off, and whether every generated token equals a monolithic run
 of the same model (whole prompt in one prefill, then greedy decode), with each
 first token's logits within 1e-3 of it (the same KV, not just the same argmax).
 Exit status 0 when all modes match it, 1 when one does not, 2 on bad input, 3
@@ -267,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cxlrt.demo import DemoConfig
     dflt, quick = DemoConfig(), DemoConfig.quick()
-    d = sub.add_parser("demo", help="serve LLM requests three ways on an emulated CXL rack "
+    d = sub.add_parser("demo", help="serve LLM requests four ways on an emulated CXL rack "
                                     "(the main job)",
                        description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -289,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cache-blocks", type=_at_least_1, metavar="N",
                    help="cache capacity in blocks (default: room for the whole workload); "
                         "smaller makes it evict, and decode recomputes what it misses")
+    d.add_argument("--modes", type=_modes, metavar="M,M",
+                   help="which modes to run, a comma list of nocache (a), tcp (b), tcp_cache "
+                        "(b': TCP from a per-worker prefix cache) and cxlrt (c) (default all)")
     d.add_argument("--seed", type=int, metavar="N",
                    help=f"seed of the weights, the tokens and the emulation (default {dflt.seed})")
     d.add_argument("--spec", metavar="SPEC",

@@ -1,9 +1,9 @@
-"""`cxlrt demo`: disaggregated LLM serving on an emulated CXL rack, three ways side by side.
+"""`cxlrt demo`: disaggregated LLM serving on an emulated CXL rack, four ways side by side.
 
 A tiny transformer with fixed random weights (:mod:`cxlrt.serving.model`)
 serves a multi-turn chat workload whose conversations share one system prompt
 (:mod:`cxlrt.serving.workload`), with P prefill and D decode worker processes,
-in three modes:
+in four modes:
 
 (a) no cache
     P + D colocated workers, each prefilling every prompt whole and decoding
@@ -11,6 +11,11 @@ in three modes:
 (b) TCP
     prefill workers compute the KV of every prompt and send it to a decode
     worker over a loopback TCP socket, as a NIC-based KV transfer does.
+(b') TCP + cache
+    as (b), but each prefill worker keeps a bounded LRU prefix cache of the KV
+    it computed in its own memory (LMCache-local style), computes only the
+    blocks past its hit, and sends the whole prompt's KV over TCP: (c)/(b')
+    isolates the transport.
 (c) cxlrt
     prefill workers look the prompt's blocks up in a :class:`cxlrt.KVCache` in
     the shared region, load the hit prefix, compute and store only the missing
@@ -32,17 +37,23 @@ the tokens every mode must reproduce exactly.
 ``reference``
     ``wall_s`` of the monolithic reference run.
 ``modes``
-    per mode (``nocache``, ``tcp``, ``cxlrt``): ``label``, ``wall_s``,
+    per mode (``nocache``, ``tcp``, ``tcp_cache``, ``cxlrt``): ``label``, ``wall_s``,
     ``tokens_equal``, ``overall`` and ``turns`` (a list, turn 1 first), each
     with ``requests``, ``prompt_tokens``, ``prefix_hit_rate`` (``null`` without a
     cache), ``kv_bytes_moved``, ``ttft_mean_s``, ``ttft_p99_s`` and
-    ``tokens_equal``; cxlrt adds ``hit_blocks``, ``blocks``, ``computed_blocks``,
-    ``decode_recomputed_blocks`` and ``kv_bytes`` (``stored_bytes``,
-    ``prefill_loaded_bytes``, ``decode_loaded_bytes``); ``workers`` holds each
-    worker's exit stats (cxlrt: its ``cache.stats()``).
+    ``tokens_equal``, ``ttft_split_s`` (mean ``queue``, ``kv_load``, ``compute``,
+    ``handoff`` seconds: they sum to ``ttft_mean_s``) and ``handoff_detail_s``
+    (``send``, ``transit``); tcp and tcp_cache add ``blocks`` and
+    ``computed_blocks``, tcp_cache ``hit_blocks``; cxlrt adds ``hit_blocks``,
+    ``blocks``, ``computed_blocks``, ``decode_recomputed_blocks`` and ``kv_bytes``
+    (``stored_bytes``, ``prefill_loaded_bytes``, ``decode_loaded_bytes``); ``workers`` holds each
+    worker's exit stats (cxlrt: its ``cache.stats()``); ``ttft_parts_s`` lists
+    each request's ``rid``, ``conv``, ``turn``, ``ttft_s`` and its four parts.
 ``ratios``
-    ``cxlrt/nocache`` and ``cxlrt/tcp``: ``ttft_mean`` and ``ttft_p99`` (below 1:
-    cxlrt is faster), overall and per turn in ``turns``.
+    ``cxlrt/nocache``, ``cxlrt/tcp`` and ``cxlrt/tcp_cache``: ``ttft_mean`` and
+    ``ttft_p99`` (below 1: cxlrt is faster), overall and per turn in ``turns``.
+``ttft_parts``
+    the names of the TTFT split's parts, in order.
 ``cache``
     the cache's ``stats()`` read by the scheduler's node after the cxlrt run.
 ``wall_s``
@@ -92,7 +103,7 @@ class DemoConfig:
         Cache capacity in blocks; default: room for every block of the workload.
         Smaller makes the cache evict (decode then recomputes what it misses).
     modes : tuple of str
-        Which of ``nocache``, ``tcp``, ``cxlrt`` to run.
+        Which of ``nocache``, ``tcp``, ``tcp_cache``, ``cxlrt`` to run.
     model : ModelConfig
         The model's shape (its seed is replaced by ``seed``).
     """
@@ -300,6 +311,9 @@ def run(cfg: DemoConfig | None = None, *, show: bool = True,
     for line in report.table(summary):
         out(line)
     out("")
+    for line in report.split_table(summary):
+        out(line)
+    out("")
     for line in report.notes(summary, cfg.prefill):
         out(line)
     out("tokens equal to the monolithic run: "
@@ -322,6 +336,7 @@ def run(cfg: DemoConfig | None = None, *, show: bool = True,
         "reference": {"wall_s": t_ref},
         "modes": summary["modes"],
         "ratios": summary["ratios"],
+        "ttft_parts": summary["ttft_parts"],
         "cache": cache,
         "wall_s": time.monotonic() - t0,
     }

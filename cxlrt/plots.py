@@ -13,6 +13,7 @@ from typing import Any
 MODE_STYLE = {  # mode key -> (colour, marker): the same in every picture
     "nocache": ("#888888", "o"),
     "tcp": ("#d62728", "s"),
+    "tcp_cache": ("#ff7f0e", "^"),
     "cxlrt": ("#1f77b4", "D"),
 }
 

@@ -83,28 +83,44 @@ def test_demo_quick_json_reports_every_mode_equal_to_the_monolithic_run():
     assert report["ok"] is True
     assert (report["config"]["conversations"], report["config"]["turns"]) == (2, 2)
     assert report["config"]["system_tokens"] == 128  # --quick's, not the default's
-    for mode in ("nocache", "tcp", "cxlrt"):
+    for mode in ("nocache", "tcp", "tcp_cache", "cxlrt"):
         m = report["modes"][mode]
         assert m["tokens_equal"] is True and len(m["turns"]) == 2
         assert m["overall"]["ttft_mean_s"] > 0
     assert report["modes"]["cxlrt"]["turns"][1]["prefix_hit_rate"] > 0
     assert report["ratios"]["cxlrt/tcp"]["ttft_mean"] > 0
+    assert report["ratios"]["cxlrt/tcp_cache"]["ttft_mean"] > 0
+    split = report["modes"]["cxlrt"]["turns"][1]["ttft_split_s"]
+    assert sum(split.values()) == pytest.approx(report["modes"]["cxlrt"]["turns"][1]
+                                                ["ttft_mean_s"], abs=1e-6)
     path = report["region"]["spec"][4:].split("?")[0]
     assert not os.path.exists(path)  # the emulated rack is removed afterwards
+
+
+def test_demo_modes_runs_only_those():
+    p = cxlrt("demo", "--quick", "--json", "--turns", "2", "--modes", "cxlrt, tcp_cache")
+    report = json.loads(p.stdout)
+    assert report["ok"] is True and list(report["modes"]) == ["tcp_cache", "cxlrt"]
+    assert list(report["ratios"]) == ["cxlrt/tcp_cache"]
+    assert report["config"]["modes"] == ["tcp_cache", "cxlrt"]
 
 
 def test_demo_table_names_modes_and_verdict():
     out = cxlrt("demo", "--quick", "--turns", "2").stdout
     for text in ("(a) no cache", "(b) TCP", "(c) cxlrt", "TTFT mean", "(c)/(a)", "(c)/(b)",
+                 "(c)/(b')",
                  "tokens equal to the monolithic run: (a) no cache yes, (b) TCP yes, "
-                 "(c) cxlrt yes"):
+                 "(b') TCP+cache yes, (c) cxlrt yes"):
         assert text in out
 
 
 @pytest.mark.parametrize("args,msg", [(["--prefill", "0"], "--prefill"),
                                       (["-D", "-2"], "--decode"),
                                       (["--turns", "x"], "--turns"),
-                                      (["--prefill", "40", "--decode", "40"], "at most 64")])
+                                      (["--prefill", "40", "--decode", "40"], "at most 64"),
+                                      (["--modes", "cxlrt,udp"], "unknown mode 'udp'"),
+                                      (["--modes", "tcp,tcp"], "named twice"),
+                                      (["--modes", ""], "--modes")])
 def test_demo_bad_options_are_one_line_errors(args, msg):
     p = cxlrt("demo", "--quick", *args, check=False)
     assert p.returncode == 2

@@ -18,7 +18,8 @@ from cxlrt.serving.model import ModelConfig, TinyLM
 from cxlrt.serving.workload import WorkloadConfig, make_workload
 
 STAT_FIELDS = {"requests", "prompt_tokens", "prefix_hit_rate", "kv_bytes_moved", "ttft_mean_s",
-               "ttft_p99_s", "tokens_equal"}
+               "ttft_p99_s", "tokens_equal", "ttft_split_s", "handoff_detail_s"}
+MODES = ("nocache", "tcp", "tcp_cache", "cxlrt")
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +186,12 @@ def quick():
 def test_every_mode_generates_the_monolithic_tokens(quick):
     report, lines = quick
     assert report["ok"] is True
-    for mode in ("nocache", "tcp", "cxlrt"):
+    for mode in MODES:
         m = report["modes"][mode]
         assert m["tokens_equal"] is True
         assert m["logits_match"] is True and m["overall"]["logits_max_diff"] < 1e-4
         assert all(t["tokens_equal"] for t in m["turns"])
-    assert any(line.startswith("tokens equal to the monolithic run:") and line.count("yes") == 3
+    assert any(line.startswith("tokens equal to the monolithic run:") and line.count("yes") == 4
                for line in lines)
 
 
@@ -230,14 +231,15 @@ def test_report_has_the_documented_fields(quick):
     assert {"ok", "config", "model", "region", "reference", "modes", "ratios", "cache",
             "wall_s"} <= set(report)
     cfg = demo.DemoConfig.quick()
-    assert len(report["modes"]) == 3
+    assert tuple(report["modes"]) == MODES
+    assert report["ttft_parts"] == ["queue", "kv_load", "compute", "handoff"]
     for m in report["modes"].values():
         assert {"label", "wall_s", "tokens_equal", "overall", "turns", "workers"} <= set(m)
         assert STAT_FIELDS <= set(m["overall"])
         assert [t["turn"] for t in m["turns"]] == list(range(1, cfg.turns + 1))
         assert sum(t["requests"] for t in m["turns"]) == cfg.conversations * cfg.turns
         assert 0 < m["overall"]["ttft_mean_s"] <= m["overall"]["ttft_p99_s"]
-    for key in ("cxlrt/nocache", "cxlrt/tcp"):
+    for key in ("cxlrt/nocache", "cxlrt/tcp", "cxlrt/tcp_cache"):
         r = report["ratios"][key]
         assert r["ttft_mean"] > 0 and r["ttft_p99"] > 0 and len(r["turns"]) == cfg.turns
     assert report["region"]["spec"].startswith("emu:/")
@@ -246,6 +248,59 @@ def test_report_has_the_documented_fields(quick):
     assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))  # cleaned up
     table = "\n".join(lines)
     assert "(c)/(a)" in table and "(c) cxlrt" in table and "DIFFER" not in table
+    assert "(c)/(b')" in table and "(b') TCP+cache" in table and "mean TTFT split" in table
+
+
+def test_ttft_split_sums_to_the_ttft_in_every_mode(quick):
+    """Each request's queueing + KV load + compute + hand-off is its TTFT; the means too."""
+    report, _ = quick
+    cfg = demo.DemoConfig.quick()
+    for mode in MODES:
+        m = report["modes"][mode]
+        parts = m["ttft_parts_s"]
+        assert len(parts) == cfg.conversations * cfg.turns
+        for p in parts:
+            assert sum(p[k] for k in report["ttft_parts"]) == pytest.approx(p["ttft_s"], abs=1e-6)
+            assert all(p[k] >= -1e-6 for k in report["ttft_parts"])  # stamps in time order
+            assert p["compute"] > 0
+        for s in [m["overall"], *m["turns"]]:
+            split = s["ttft_split_s"]
+            assert set(split) == set(report["ttft_parts"])
+            assert sum(split.values()) == pytest.approx(s["ttft_mean_s"], abs=1e-6)
+        if mode == "nocache":
+            assert m["overall"]["ttft_split_s"]["handoff"] == 0.0
+        else:
+            h = m["overall"]["handoff_detail_s"]
+            assert h["send"] + h["transit"] == pytest.approx(
+                m["overall"]["ttft_split_s"]["handoff"], abs=1e-6)
+    # KV is loaded only where there is a cache to load it from
+    assert report["modes"]["nocache"]["overall"]["ttft_split_s"]["kv_load"] == 0.0
+    assert report["modes"]["cxlrt"]["overall"]["ttft_split_s"]["kv_load"] > 0
+
+
+def test_tcp_cache_mode_hits_its_own_cache_and_sends_every_block(quick):
+    """(b') computes what (c) computes and sends what (b) sends."""
+    report, _ = quick
+    b, bc, c = (report["modes"][m]["overall"] for m in ("tcp", "tcp_cache", "cxlrt"))
+    assert bc["hit_blocks"] == c["hit_blocks"] > 0  # one prefill worker: the same hits
+    assert bc["computed_blocks"] == c["computed_blocks"] < b["computed_blocks"]
+    assert bc["kv_bytes_moved"] == b["kv_bytes_moved"] == bc["blocks"] * report["model"][
+        "block_bytes"]
+    assert report["modes"]["tcp_cache"]["turns"][-1]["prefix_hit_rate"] > 0
+
+
+def test_local_prefix_cache_is_a_bounded_lru_of_leading_runs():
+    from cxlrt.serving.workers import LocalPrefixCache
+    kv = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)  # 3 blocks of 2 tokens
+    cache = LocalPrefixCache(3)
+    assert cache.lookup([b"a", b"b"]) == []
+    assert cache.store([b"a", b"b", b"c"], kv, 2) == 3
+    kv[:] = -1  # the cache keeps copies
+    hit = cache.lookup([b"a", b"b", b"x", b"c"])  # a leading run: stops at the miss
+    assert [h.tolist() for h in hit] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert cache.store([b"d"], kv[:2], 2) == 1  # full: the least recently used (c) goes
+    assert len(cache.blocks) == 3 and cache.evicted == 1 and b"c" not in cache.blocks
+    assert len(cache.lookup([b"a", b"b"])) == 2
 
 
 def test_an_evicting_cache_is_recomputed_at_decode_and_still_exact():
@@ -282,6 +337,7 @@ def test_a_mismatch_is_reported_and_fails(monkeypatch):
                                     ({"turns": 1.5}, "turns must be"),
                                     ({"prefill": 40, "decode": 40}, "at most 64"),
                                     ({"modes": ("udp",)}, "modes must be"),
+                                    ({"modes": ()}, "modes must be"),
                                     ({"cache_blocks": 0}, "cache_blocks")])
 def test_bad_config_is_a_clear_error(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("nocache", "tcp", "cxlrt")
-"""The demo's modes: (a) no cache, (b) KV over TCP, (c) KV through cxlrt."""
+MODES = ("nocache", "tcp", "tcp_cache", "cxlrt")
+"""The demo's modes: (a) no cache, (b) KV over TCP, (b') KV over TCP from a per-worker
+prefix cache in local memory, (c) KV through cxlrt."""
 
 
 @dataclass(frozen=True)

@@ -94,13 +94,15 @@ def decode(msg: bytes) -> Handoff:
 # --- TCP framing -------------------------------------------------------------------
 
 
-def send_tcp(sock: socket.socket, h: Handoff, kv: memoryview | None) -> int:
-    """Send ``h`` and its KV bytes; returns the KV bytes sent."""
-    nbytes = 0 if kv is None else kv.nbytes
+def send_tcp(sock: socket.socket, h: Handoff, kv: memoryview | list[memoryview] | None) -> int:
+    """Send ``h`` and its KV bytes (one buffer, or blocks in order); returns the KV bytes
+    sent."""
+    parts = [] if kv is None else kv if isinstance(kv, list) else [kv]
+    nbytes = sum(p.nbytes for p in parts)
     tokens = np.ascontiguousarray(h.tokens, dtype="<i4").tobytes()
     sock.sendall(_HEADER.pack(h.rid, h.n_blocks, len(h.tokens), h.n_new, nbytes) + tokens)
-    if kv is not None:
-        sock.sendall(kv)
+    for p in parts:
+        sock.sendall(p)
     return nbytes
 
 

@@ -46,6 +46,7 @@ class RequestResult:
     tokens: list[int]
     info: dict[str, int] = field(default_factory=dict)
     first_logits: Any = None  # logits of the first token, as decode computed them
+    t_issue: float = 0.0  # time.monotonic() when the scheduler issued it
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Cluster:
     Parameters
     ----------
     mode : str
-        "nocache", "tcp" or "cxlrt". For "cxlrt" the region behind ``plan.spec``
+        "nocache", "tcp", "tcp_cache" or "cxlrt". For "cxlrt" the region behind ``plan.spec``
         must already hold the cache and the channels (:func:`cxlrt.demo.rack`).
     plan : Plan
         Worker counts, model, block geometry, region.
@@ -187,7 +188,11 @@ class Cluster:
                 self.targets = plan.decode
                 self._inboxes = [_CTX.Queue()]  # shared: a free prefill worker takes the next
                 self._stoppers = self._inboxes * plan.prefill
-                if mode == "tcp":
+                if mode in ("tcp", "tcp_cache"):
+                    local = plan.cache_blocks if mode == "tcp_cache" else 0
+                    if mode == "tcp_cache" and local < 1:
+                        raise ValueError("tcp_cache mode needs plan.cache_blocks >= 1 (the "
+                                         "per-worker prefix cache's capacity)")
                     servers = [socket.create_server(("127.0.0.1", 0), backlog=plan.prefill)
                                for _ in range(plan.decode)]
                     ports = [s.getsockname()[1] for s in servers]
@@ -195,7 +200,7 @@ class Cluster:
                         self._w.add(f"decode {d}", workers.decode_tcp, plan, servers[d])
                     for p in range(plan.prefill):
                         self._w.add(f"prefill {p}", workers.prefill_tcp, plan, self._inboxes[0],
-                                    ports)
+                                    ports, local)
                 else:
                     for d in range(plan.decode):
                         self._w.add(f"decode {d}", workers.decode_cxlrt, plan, d)
@@ -299,7 +304,7 @@ def serve(mode: str, plan: Plan, wl: Workload,
             info = dict(info)
             first_logits = info.pop("first_logits")
             results.append(RequestResult(rid, req.conv, req.turn, len(req.tokens),
-                                         t_first - t_issue, tokens, info, first_logits))
+                                         t_first - t_issue, tokens, info, first_logits, t_issue))
             answers[req.conv].append(tokens)
             if req.turn + 1 < cfg.turns:
                 issue(req.conv, req.turn + 1)

@@ -6,6 +6,11 @@ Roles by mode:
   prefilling the entire prompt (no cache, no transfer).
 - ``tcp`` (b): prefill workers compute the KV of every full block of the
   prompt and send it to a decode worker over a loopback TCP socket.
+- ``tcp_cache`` (b'): as (b), but each prefill worker keeps the KV it computed
+  in a bounded LRU prefix cache in its own memory (:class:`LocalPrefixCache`,
+  LMCache-local style, keyed by the same chained block hashes as cxlrt's): it
+  computes only the blocks past the cached prefix, and still sends the whole
+  prompt's KV to decode over TCP. (c)/(b') isolates the transport.
 - ``cxlrt`` (c): prefill workers look the prompt's blocks up in the shared
   :class:`cxlrt.KVCache`, load the hit prefix, compute only the missing blocks,
   store them, and send "request R: these keys are ready" over a
@@ -24,6 +29,15 @@ process), limits BLAS to one thread, opens the region as its own node, and repor
 to the scheduler through one ``results`` queue (the control plane): ``ready``,
 ``prefill`` (per-request prefill facts), ``done`` (tokens and the time of the
 first one), ``stats`` at exit, or ``error`` with a traceback.
+
+Every worker stamps the moments a request passes (``time.monotonic()``: CLOCK_MONOTONIC,
+shared by every process of a host) and reports them with its facts, so that the
+scheduler can split each TTFT into queueing, KV load, compute and hand-off
+(:func:`cxlrt.serving.report.ttft_split`). The prefill side reports ``t_take`` (it
+took the request from the queue), ``t_loaded`` (cached prefix looked up and
+loaded), ``t_computed`` (its prefill done) and ``t_sent`` (stored and handed
+off); the decode side ``t_start`` (the hand-off is here, KV received in (b),
+(b')), ``t_kv`` (KV loaded from the cache in (c)) and ``t_first``.
 """
 
 from __future__ import annotations
@@ -47,7 +61,8 @@ from cxlrt.serving import handoff
 from cxlrt.serving.config import ModelConfig, Plan
 from cxlrt.serving.model import TinyLM
 
-POLL_MAX_S = 0.0005  # longest sleep of an idle decode worker polling its channels
+WAIT_S = 0.05  # an idle decode worker's blocking recv() on its only channel, per call
+WAIT_SLICE_S = 0.0002  # ... on one of several channels, in turn: the others wait this long
 
 
 @dataclass
@@ -73,6 +88,8 @@ class _Job:
     ready: int
     t_arrive: float  # when the hand-off (or the request) reached this worker
     info: dict[str, Any] = field(default_factory=dict)
+    t_start: float | None = None  # hand-off complete, work on it starts (default t_arrive)
+    t_kv: float | None = None  # KV loaded from the cache (default t_start)
 
 
 @dataclass
@@ -164,6 +181,9 @@ def _serve(model: TinyLM, poll: Callable[[bool], _Job | None], finished: Callabl
             out = [int(np.argmax(logits))]
             t_first = time.monotonic()
             job.info["to_first_token_s"] = t_first - job.t_arrive
+            t_start = job.t_arrive if job.t_start is None else job.t_start
+            job.info.update(t_start=t_start, t_kv=t_start if job.t_kv is None else job.t_kv,
+                            t_first=t_first)
             job.info["first_logits"] = logits  # a fresh array; checked against the reference
             r = _Active(job.rid, job.kv, n, job.n_new, t_first, job.info, out)
             if r.n_new > 1:
@@ -206,7 +226,9 @@ def colocated(who: str, results: Any, plan: Plan, requests: Any) -> None:
 
 
 def decode_tcp(who: str, results: Any, plan: Plan, server: socket.socket) -> None:
-    """(b) decode: accept one connection per prefill worker; KV arrives with the request."""
+    """(b), (b') decode: one connection per prefill worker; KV arrives with the request.
+
+    Waits in ``select()``: the kernel wakes it when bytes arrive."""
     model = _model(plan)
     sel = selectors.DefaultSelector()
     for _ in range(plan.prefill):
@@ -232,7 +254,8 @@ def decode_tcp(who: str, results: Any, plan: Plan, server: socket.socket) -> Non
             kv = model.new_kv(len(h.tokens) + h.n_new)
             handoff.recv_into(conn, _bytes(kv[:ready]))  # type: ignore[arg-type]
             received += nbytes
-            return _Job(h.rid, h.tokens, h.n_new, kv, ready, t_arrive, {"received_bytes": nbytes})
+            return _Job(h.rid, h.tokens, h.n_new, kv, ready, t_arrive, {"received_bytes": nbytes},
+                        t_start=time.monotonic())
         return None
 
     results.put(("ready", who))
@@ -255,29 +278,43 @@ def decode_cxlrt(who: str, results: Any, plan: Plan, d: int) -> None:
             n_hit = len(hit)
             if n_hit:
                 cache.load(hit, kv[:n_hit * bt])
+        t_kv = time.monotonic()
         if n_hit < h.n_blocks:  # evicted (or never stored: no room): recompute, and say so
             model.prefill(h.tokens[n_hit * bt:ready], kv, n_hit * bt)
         return _Job(h.rid, h.tokens, h.n_new, kv, ready, t_arrive,
                     {"decode_loaded_bytes": n_hit * plan.block_bytes,
-                     "decode_recomputed_blocks": h.n_blocks - n_hit})
+                     "decode_recomputed_blocks": h.n_blocks - n_hit}, t_kv=t_kv)
+
+    def take(ch: Any, msg: bytes) -> _Job | None:
+        t_arrive = time.monotonic()
+        h = handoff.decode(msg)
+        if h.is_stop:
+            live.remove(ch)
+            return None
+        return job(h, t_arrive)
+
+    turn = 0
 
     def poll(block: bool) -> _Job | None:
-        nap = 0.00002
+        # Idle, it blocks in Channel.recv(), which spins, yields, then naps 2 us at a
+        # time without the GIL: a hand-off is seen in microseconds. (It used to poll
+        # with sleeps of up to 0.5 ms, which cost ~0.3 ms per hand-off.)
+        nonlocal turn
         while live:
             for ch in list(live):
                 msg = ch.try_recv()
-                if msg is None:
-                    continue
-                t_arrive = time.monotonic()
-                h = handoff.decode(msg)
-                if h.is_stop:
-                    live.remove(ch)
-                    continue
-                return job(h, t_arrive)
-            if not block:
+                if msg is not None and (j := take(ch, msg)) is not None:
+                    return j
+            if not block or not live:
                 return None
-            time.sleep(nap)
-            nap = min(2 * nap, POLL_MAX_S)
+            turn = (turn + 1) % len(live)
+            ch = live[turn]
+            try:
+                msg = ch.recv(timeout=WAIT_S if len(live) == 1 else WAIT_SLICE_S)
+            except TimeoutError:
+                continue
+            if (j := take(ch, msg)) is not None:
+                return j
         return None
 
     results.put(("ready", who))
@@ -292,9 +329,63 @@ def decode_cxlrt(who: str, results: Any, plan: Plan, d: int) -> None:
 # --- prefill side -----------------------------------------------------------------
 
 
-def prefill_tcp(who: str, results: Any, plan: Plan, requests: Any, ports: list[int]) -> None:
-    """(b) prefill: compute the KV of every full block and send it to the decode worker."""
+class LocalPrefixCache:
+    """(b')'s per-worker prefix cache: KV blocks in this process's memory, LRU, bounded.
+
+    Keyed by the chained block hashes cxlrt uses (a key names its block's tokens and
+    every token before them), so a hit is the leading run of a prompt's keys that is
+    present, as in :meth:`cxlrt.KVCache.lookup`. A hit touches its blocks last to
+    first, so a prefix outlives its extensions when the cache is full.
+
+    Parameters
+    ----------
+    capacity : int
+        Blocks kept; the least recently used go first.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.evicted = 0
+
+    def lookup(self, keys: list[bytes]) -> list[np.ndarray]:
+        """The cached blocks of the leading run of ``keys`` (the cache's own arrays)."""
+        hit = []
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None:
+                break
+            hit.append(b)
+        for k in reversed(keys[:len(hit)]):
+            self.blocks.move_to_end(k)
+        return hit
+
+    def store(self, keys: list[bytes], kv: np.ndarray, block_tokens: int) -> int:
+        """Keep a copy of block ``i`` of ``kv`` under ``keys[i]``; returns blocks stored."""
+        n = 0
+        for i in reversed(range(min(len(keys), self.capacity))):
+            if keys[i] not in self.blocks:
+                self.blocks[keys[i]] = kv[i * block_tokens:(i + 1) * block_tokens].copy()
+                n += 1
+            self.blocks.move_to_end(keys[i])
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+            self.evicted += 1
+        return n
+
+
+def prefill_tcp(who: str, results: Any, plan: Plan, requests: Any, ports: list[int],
+                cache_blocks: int = 0) -> None:
+    """(b) prefill: compute the KV of every full block and send it to the decode worker.
+
+    (b') with ``cache_blocks``: keep a :class:`LocalPrefixCache` of that many blocks,
+    compute only the blocks past its hit, send the whole prompt's KV.
+    """
+    import cxlrt
     model = _model(plan)
+    bt = plan.block_tokens
+    local = LocalPrefixCache(cache_blocks) if cache_blocks else None
     socks = []
     for port in ports:
         s = socket.create_connection(("127.0.0.1", port))
@@ -305,20 +396,42 @@ def prefill_tcp(who: str, results: Any, plan: Plan, requests: Any, ports: list[i
     while (req := requests.get()) is not None:
         t0 = time.monotonic()
         n_blocks = plan.full_blocks(len(req.tokens))
-        ready = n_blocks * plan.block_tokens
+        ready = n_blocks * bt
         kv = model.new_kv(ready)
-        if ready:
-            model.prefill(req.tokens[:ready], kv, 0)
+        hit: list[np.ndarray] = []
+        keys: list[bytes] = []
+        if local is not None and ready:
+            keys = cxlrt.block_hashes(req.tokens[:ready], bt, salt=plan.salt)
+            hit = local.lookup(keys)
+            if 0 < len(hit) < n_blocks:  # the prefix is needed only to go on
+                for i, b in enumerate(hit):
+                    kv[i * bt:(i + 1) * bt] = b
+        n_hit = len(hit)
+        t_loaded = time.monotonic()
+        if n_hit < n_blocks:
+            model.prefill(req.tokens[n_hit * bt:ready], kv, n_hit * bt)
+        t_computed = time.monotonic()
         h = handoff.Handoff(req.rid, np.asarray(req.tokens, np.int32), req.n_new, n_blocks, [])
-        nbytes = handoff.send_tcp(socks[req.target], h, _bytes(kv))
+        if n_hit == n_blocks and n_hit:  # all cached: send the blocks as they are
+            nbytes = handoff.send_tcp(socks[req.target], h, [_bytes(b) for b in hit])
+        else:
+            nbytes = handoff.send_tcp(socks[req.target], h, _bytes(kv))
+        t_sent = time.monotonic()
         sent += nbytes
-        results.put(("prefill", req.rid, {"blocks": n_blocks, "computed_blocks": n_blocks,
-                                          "sent_bytes": nbytes,
-                                          "prefill_s": time.monotonic() - t0}))
+        stored = local.store(keys[n_hit:], kv[n_hit * bt:], bt) if local is not None else 0
+        info = {"blocks": n_blocks, "computed_blocks": n_blocks - n_hit, "sent_bytes": nbytes,
+                "prefill_s": t_sent - t0, "t_take": t0, "t_loaded": t_loaded,
+                "t_computed": t_computed, "t_sent": t_sent}
+        if local is not None:
+            info.update(hit_blocks=n_hit, stored_blocks=stored)
+        results.put(("prefill", req.rid, info))
     for s in socks:
         handoff.send_tcp(s, handoff.stop(), None)
         s.close()
-    results.put(("stats", who, {"sent_bytes": sent}))
+    stats: dict[str, Any] = {"sent_bytes": sent}
+    if local is not None:
+        stats.update(cached_blocks=len(local.blocks), evicted_blocks=local.evicted)
+    results.put(("stats", who, stats))
 
 
 def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> None:
@@ -339,15 +452,19 @@ def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> 
             loaded = n_hit < n_blocks and n_hit > 0  # the prefix is needed only to go on
             if loaded:
                 cache.load(hit, kv[:n_hit * bt])
+        t_loaded = time.monotonic()
         if n_hit < n_blocks:
             model.prefill(req.tokens[n_hit * bt:ready], kv, n_hit * bt)
+        t_computed = time.monotonic()
         stored = cache.store(keys[n_hit:], kv[n_hit * bt:]) if n_hit < n_blocks else []
         h = handoff.Handoff(req.rid, np.asarray(req.tokens, np.int32), req.n_new, n_blocks, keys)
         channels[req.target].send(handoff.encode(h))
+        t_sent = time.monotonic()
         results.put(("prefill", req.rid, {
             "blocks": n_blocks, "hit_blocks": n_hit, "computed_blocks": n_blocks - n_hit,
             "stored_blocks": len(stored), "prefill_loaded_bytes": n_hit * bb if loaded else 0,
-            "stored_bytes": len(stored) * bb, "prefill_s": time.monotonic() - t0}))
+            "stored_bytes": len(stored) * bb, "prefill_s": t_sent - t0, "t_take": t0,
+            "t_loaded": t_loaded, "t_computed": t_computed, "t_sent": t_sent}))
     for ch in channels:
         ch.send(handoff.encode(handoff.stop()))
     for ch in channels:

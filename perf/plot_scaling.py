@@ -162,6 +162,9 @@ def _draw(ax_value, ax_ratio, family: str, rows: dict[str, dict[str, Any]]) -> N
     ratios = [q for r in rows.values() for q in r["ratio"] if q]
     if ratios and max(ratios) / min(ratios) > 20:
         ax_ratio.set_yscale("log")
+    else:  # from 0: a 10 % wobble should look like one
+        ax_ratio.set_ylim(0, max([1.0, *ratios]) * 1.15)
+    ax_ratio.margins(x=0.08)  # room for the labels of the last point
     ax_ratio.axhline(1.0, color=BASELINE_STYLE[0], ls="--", lw=1)
     ax_ratio.set_ylabel(f"ratio to {base or 'baseline'} (higher is better, paired rounds)")
 

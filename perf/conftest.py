@@ -159,6 +159,34 @@ def small_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
             _discard(region, path)
 
 
+@pytest.fixture(scope="session")
+def sized_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
+    """``sized_regions(name, kind, size=, nodes=, lease=None, lock_manager=False)``:
+    node 0 of a fresh region of that kind, size and node count, opened once per name.
+
+    For benchmarks that need more room or more nodes than ``regions`` and
+    ``small_regions`` give (perf/test_scaling.py: 32 MiB blocks, 16 processes).
+    ``lease`` (seconds) is passed to :func:`cxlrt.open` when creating. Everything
+    is removed at the end of the session, node-local files included.
+    """
+    opened: dict[str, tuple[cxlrt.Region, str]] = {}
+
+    def get(name: str, kind: str, *, size: str, nodes: int, lease: float | None = None,
+            lock_manager: bool = False) -> cxlrt.Region:
+        if name not in opened:
+            path = os.path.join(perf_dir, f"sized-{name}")
+            region = cxlrt.open(SPECS[kind].format(path=path), node=0, create=True, size=size,
+                                nodes=nodes, lease=lease, lock_manager=lock_manager)
+            opened[name] = (region, path)
+        return opened[name][0]
+
+    try:
+        yield get
+    finally:
+        for region, path in opened.values():
+            _discard(region, path)
+
+
 class Bench:
     """The one harness every benchmark goes through: name the row, then time it.
 

@@ -1937,7 +1937,7 @@ cdef class KVCache:
         return True
 
     def _sweep_tombstones(self):
-        """Turn tombstones that end a probe run into empty slots (cache lock held)."""
+        """Empty the tombstones no present key's probe walks through (cache lock held)."""
         cdef int rc
         with nogil:
             rc = self._sweep()
@@ -1945,27 +1945,53 @@ cdef class KVCache:
             self._raise(rc, "evict")
 
     cdef int _sweep(self) noexcept nogil:
-        """A tombstone followed by an empty slot ends every run through it, so it can
-        be empty itself: one walk down the table, each slot observed once, clears
-        whole tails (the slot above is the one just walked, or slot 0 at the top)."""
+        """Empty every tombstone that no probe for a present key walks through.
+
+        A probe for a present key walks from its home slot to its entry; a tombstone
+        outside every such walk only lengthens misses (which run on to an empty slot),
+        so it may be empty itself. Lock-free readers stay right: no present key's walk
+        changes. One walk down the table from an empty slot, each slot observed once,
+        with `cover` the lowest (unwrapped) slot that a live entry above reaches down
+        to; without an empty slot, two laps (the first only gathers `cover`).
+        """
         cdef kv_entry e
-        cdef uint64_t s = self.slots
-        cdef uint32_t above
-        cdef int rc = self._read(0, &e)
-        if rc != 0:
-            return rc
-        above = _state(&e)
-        while s:
-            s -= 1
+        cdef uint64_t n = self.slots, start = 0, top, k, laps, u, s, h, cover, never
+        cdef uint32_t st
+        cdef int rc = 0
+        while start < n:  # an empty slot to start below: no walk crosses it
+            rc = self._read(start, &e)
+            if rc != 0:
+                return rc
+            if _state(&e) == KV_EMPTY:
+                break
+            start += 1
+        laps = 1 if start < n else 2
+        if start == n:
+            start = 0
+        top = start + 3 * n  # unwrapped: u - (a walk's length) stays positive
+        never = <uint64_t>-1
+        cover = never
+        for k in range(1, laps * n):
+            u = top - k
+            s = u & self._mask
             rc = self._read(s, &e)
             if rc != 0:
                 return rc
-            if _state(&e) == KV_TOMBSTONE and above == KV_EMPTY:
-                e.meta = (_gen(&e) << 8) | KV_EMPTY
-                rc = self._write(s, &e)
-                if rc != 0:
-                    return rc
-            above = _state(&e)
+            st = _state(&e)
+            if st == KV_EMPTY:
+                cover = never
+            elif st == KV_TOMBSTONE:
+                if u < cover and k >= (laps - 1) * n:
+                    e.meta = (_gen(&e) << 8) | KV_EMPTY
+                    rc = self._write(s, &e)
+                    if rc != 0:
+                        return rc
+                    cover = never
+            elif st <= KV_EVICTING:
+                memcpy(&h, <const void*>e.key, 8)
+                cover = min(cover, u - ((s - h) & self._mask))
+            else:
+                cover = 0  # a line we cannot read as an entry: keep everything below
         return 0
 
     def delete(self, keys):

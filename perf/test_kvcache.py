@@ -12,12 +12,13 @@ Groups:
     ``cache.store(16 fresh keys, 16 x 2 MiB)`` into a cache of 32 blocks, so the
     steady state evicts as it stores (allocation, payload DMA, publish, and LRU
     eviction all timed). Baseline: numpy copying the same 32 MiB between
-    preallocated arrays. Target: at least 0.85x numpy's throughput on ``file:``.
+    preallocated arrays; the cache is full before the first timed store. Target
+    (issue 12): at least 0.95x numpy's throughput on ``file:`` and ``emu:``.
 ``kv_load_2MiB``
     lookup + ``cache.load(hit, out)`` of 16 x 2 MiB into a preallocated array +
-    release. Same baseline and target.
+    release. Same baseline; target at least 0.85x on ``file:``.
 
-``emu:`` rows (faults and checker off) are for information.
+Other ``emu:`` rows (faults and checker off) are for information.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BB = 2 << 20
 NBLK = 16
 CHAINS = 200  # lookups per call
 TARGET = {"min_ratio": 0.85}
+STORE_TARGET = {"min_ratio": 0.95}  # issue 12, on file: and emu:
 DICT = "python dict"
 NUMPY = "numpy copy"
 
@@ -95,8 +97,12 @@ def _numpy_copy(src: list[np.ndarray], dst: np.ndarray) -> None:
 def _bulk(bench, group: str, case: str):
     """Describe a bandwidth row; returns (blocks, numpy baseline), or None once the
     numpy row itself has run."""
+    if group == "kv_store_2MiB":
+        target = STORE_TARGET if case != "numpy" else None
+    else:
+        target = TARGET if case == "file" else None
     bench.describe(group, case, baseline=NUMPY if case == "numpy" else None,
-                   bytes=NBLK * BB, target=TARGET if case == "file" else None)
+                   bytes=NBLK * BB, target=target)
     src = _blocks()
     baseline = partial(_numpy_copy, src, np.ones((NBLK, BB), np.uint8))
     if case == "numpy":
@@ -114,6 +120,8 @@ def test_store_2mib_blocks(bench, regions, case):
     cache = cxlrt.KVCache(regions(case), "perf-store", block_bytes=BB, capacity_blocks=2 * NBLK)
     counter = itertools.count()
     stored = []
+    for _ in range(2):  # full before the first timed store: every timed store evicts
+        cache.store(cxlrt.block_hashes([next(counter)] * 16 * NBLK, 16, salt=b"store"), src)
 
     def store() -> None:
         keys = cxlrt.block_hashes([next(counter)] * 16 * NBLK, 16, salt=b"store")

@@ -385,6 +385,47 @@ def test_lru_evicts_the_least_recently_used_unpinned_block(backend):
     r.close()
 
 
+def _table(r, c):
+    """(state, home slot) of every slot, read from the medium."""
+    out = []
+    for s in range(c.slots):
+        raw = r.dma_read(c.slot_offset(s), 24)
+        out.append((raw[16], int.from_bytes(raw[:8], "little") & (c.slots - 1)))
+    return out
+
+
+def test_steady_eviction_keeps_probe_walks_short(backend):
+    """A tombstone stays only while a present key's walk (home slot to entry) passes it;
+    every other one is emptied, so misses stop early instead of walking the table.
+    Before: only a tombstone with an empty slot above it was emptied, and under steady
+    eviction misses walked most of the table (30 us each at 2048 slots)."""
+    r = backend.create()
+    c = open_cache(r, block_bytes=64, capacity_blocks=32)  # 64 slots
+    for conv in range(80):  # 16 new blocks a call into a full cache: 16 evictions each
+        keys = c.block_hashes(chain(conv, 16))
+        assert c.store(keys, [bytes(64)] * 16) == keys
+    assert c.stats()["evictions"] >= 1000
+    table = _table(r, c)
+    live = {s for s, (st, _) in enumerate(table) if st in (1, 2, 4)}
+    walks = set()
+    for s in live:
+        home = table[s][1]
+        walk = [(home + i) % c.slots for i in range((s - home) % c.slots + 1)]
+        assert all(table[w][0] != 0 for w in walk), "an empty slot inside a present key's walk"
+        walks.update(walk)
+    stale = [s for s, (st, _) in enumerate(table) if st == 3 and s not in walks]
+    assert stale == [], f"tombstones no walk needs: {stale}"
+    # And every present key is still found, the last store's whole chain among them.
+    ready = [e["key"] for e in c.entries() if e["state"] == "ready"]
+    assert len(ready) == 32
+    for k in ready:
+        with c.lookup([k]) as hit:
+            assert len(hit) == 1
+    keys = c.block_hashes(chain(79, 16))
+    with c.lookup(keys) as hit:
+        assert len(hit) == 16
+
+
 def test_a_full_cache_of_pinned_blocks_stores_nothing_and_says_so(backend):
     r, c, keys = filled(backend, nodes=1)
     more = c.block_hashes(chain(1, 4))

@@ -99,9 +99,10 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcmp, memcpy, memset
 
-from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, cxl_dma_read,
-                            cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
-                            cxl_load64, cxl_persist, cxl_region, cxl_store)
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
+                            cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
+                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_persist, cxl_region,
+                            cxl_store)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
@@ -1125,7 +1126,9 @@ cdef class KVCache:
         cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w, h
         cdef int rc = 0, found
         out[0] = 0
-        if self.r.flags & CXL_F_DIRECT:  # every home line first: their misses overlap
+        if (self.r.flags & CXL_F_DIRECT) and (self.r.flags & CXL_F_NOFLUSH):
+            # Every home line first, so their misses overlap (not where _read flushes
+            # the line before it loads it: the prefetch would be thrown away).
             for j in range(hit.n):
                 memcpy(&h, hit.key(j), 8)
                 cxl_prefetch(self.r.base + self._entries + (h & self._mask) * 64)
@@ -1378,7 +1381,7 @@ cdef class KVCache:
         try:
             self._settle()
             for j in range(n):
-                got = self._reserve(ks[j], n - j)
+                got = self._reserve(ks, j)
                 if got is None:
                     st[KV_ST_SKIPPED] += 1
                     continue
@@ -1493,10 +1496,10 @@ cdef class KVCache:
         for s, gen, off, j in reserved:
             self.region.dma_write(off + KV_PROGRESS, v)
 
-    cdef object _reserve(self, bytes key, uint64_t need):
-        """Claim a slot and a payload for `key`, the first of `need` keys this store
-        still reserves (cache lock held): a full cache evicts for all of them at once,
-        one table scan per store rather than one per capacity/16 keys.
+    cdef object _reserve(self, list ks, Py_ssize_t j):
+        """Claim a slot and a payload for `ks[j]` (cache lock held). A full cache
+        evicts for every key of ks[j:] still absent at once: one table scan per store
+        rather than one per capacity/16 keys, and never room for keys it would skip.
 
         (slot, gen, off) claimed; None when the key is present or being written;
         False when there is no room even after evicting.
@@ -1506,6 +1509,7 @@ cdef class KVCache:
         cdef uint64_t s = 0, free_slot = 0, off = 0, gen
         cdef int rc, verdict
         cdef bint orphan
+        cdef bytes key = ks[j]
         cdef const char* kp = PyBytes_AS_STRING(key)
         with nogil:
             rc = self._probe(kp, &s, &e, &free_slot)
@@ -1524,7 +1528,7 @@ cdef class KVCache:
                     self._raise(rc, "store")
                 return None
         if self._occupancy() >= self.capacity:
-            if not self._evict(self._batch(need)):
+            if not self._evict(self._batch(self._absent(ks, j))):
                 return False
             with nogil:
                 rc = self._probe(kp, &s, &e, &free_slot)
@@ -1536,7 +1540,12 @@ cdef class KVCache:
             off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
         except OutOfMemory:
             off = 0
-            while off == 0 and self._evict(self._batch(need)):
+            # Each evicted payload makes room for one of the same size, unless its
+            # memory goes back through another node's remote-free queue (usable once
+            # that node drains it) or into quarantine. So one round, for exactly the
+            # blocks still needed; then no room, rather than emptying the cache for
+            # memory this node cannot have yet.
+            if self._evict(min(self._absent(ks, j), self.capacity)):
                 try:
                     off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
                 except OutOfMemory:
@@ -1779,6 +1788,22 @@ cdef class KVCache:
                 recency_ms[0] = w >> 16
         return pinned
 
+    cdef uint64_t _absent(self, list ks, Py_ssize_t j) except? 0:
+        """How many of ks[j:] the table does not hold (cache lock held): the blocks a
+        store still needs room for (keys present or being written are skipped)."""
+        cdef kv_entry e
+        cdef uint64_t s = 0, free_slot = 0, n = 0
+        cdef const char* kp
+        cdef int rc
+        for k in ks[j:]:
+            kp = PyBytes_AS_STRING(k)
+            with nogil:
+                rc = self._probe(kp, &s, &e, &free_slot)
+            if rc < 0:
+                self._raise(rc, "store")
+            n += rc == 0
+        return n
+
     cdef uint64_t _batch(self, uint64_t need) noexcept:
         """Blocks to evict for a store that still needs `need`: at least capacity/16
         (so small stores do not scan the table each), at most the capacity."""
@@ -1794,7 +1819,9 @@ cdef class KVCache:
         cdef kv_claim c
         cdef kv_cand* cands
         cdef uint64_t* writing
-        cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(want, self.slots)
+        # Some slack: a candidate a lookup pins between the scan and its EVICTING mark
+        # stays, and the next oldest goes instead.
+        cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(2 * want + 8, self.slots)
         cdef int rc, verdict
         cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * 8)
         if cands == NULL:

@@ -426,6 +426,54 @@ def test_steady_eviction_keeps_probe_walks_short(backend):
         assert len(hit) == 16
 
 
+def test_a_store_evicts_only_for_the_keys_it_lacks(backend):
+    """A full cache evicts once for the whole store, sized by the keys still absent:
+    keys already present are skipped, and no other block is evicted for them."""
+    r = backend.create()
+    c = open_cache(r, block_bytes=64, capacity_blocks=32)
+    old = c.block_hashes(chain(1, 8))
+    recent = c.block_hashes(chain(0, 24))
+    assert c.store(old, [bytes(64)] * 8) == old
+    time.sleep(0.005)  # LRU stamps are milliseconds: `recent` is newer, whatever the slot
+    assert c.store(recent, [bytes(64)] * 24) == recent
+    before = c.stats()["evictions"]
+    new = c.block_hashes(chain(2, 1))
+    assert c.store(new + recent[:23], [bytes(64)] * 24) == new
+    evicted = c.stats()["evictions"] - before
+    assert 1 <= evicted <= 32 // 16, f"{evicted} evictions to store one new block"
+    assert c.stats()["occupancy"] == 32 - evicted + 1
+    with c.lookup(recent) as hit:  # the present keys the store skipped all stay
+        assert len(hit) == 24
+    left = 0
+    for k in old:  # the evicted ones came from the older tenant (in any order within it)
+        with c.lookup([k]) as hit:
+            left += len(hit)
+    assert left == 8 - evicted
+
+
+def test_out_of_memory_evicts_for_the_store_not_the_whole_cache(backend):
+    """When the region's memory is another node's (its payload chunks), evicting only
+    hands it back through that node's queue: the store gives up after evicting what it
+    needed, and the cache is not emptied for memory this node cannot have yet."""
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    ca = open_cache(a, block_bytes=4032, capacity_blocks=2000)  # small payloads
+    cb = open_cache(b, block_bytes=4032, capacity_blocks=2000)
+    for conv in range(400):  # node 0 fills the heap (4 MiB) with its own chunks
+        keys = ca.block_hashes(chain(conv, 4))
+        ca.store(keys, [bytes(4032)] * 4)
+    full = ca.stats()["occupancy"]
+    assert full < 2000  # the region ran out, not the cache
+    before = cb.stats()["evictions"]
+    cb.store(cb.block_hashes(chain(10_000, 1)), [bytes(4032)])
+    assert cb.stats()["evictions"] - before <= 1
+    assert cb.stats()["occupancy"] >= full - 1
+    keys = cb.block_hashes(chain(10_001, 300))  # more than the cache's own room
+    cb.store(keys, [bytes(4032)] * 300)
+    assert cb.stats()["evictions"] - before <= 1 + 300  # was: every block (726 of 726)
+    assert cb.stats()["occupancy"] >= full - 301
+
+
 def test_a_full_cache_of_pinned_blocks_stores_nothing_and_says_so(backend):
     r, c, keys = filled(backend, nodes=1)
     more = c.block_hashes(chain(1, 4))

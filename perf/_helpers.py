@@ -1,8 +1,6 @@
 """Helpers shared by perf/ benchmarks: key chains, the baselines they are compared
-with, and a group of forked processes that run one loop per round.
-
-perf/test_scaling.py uses them; perf/test_kvcache.py and perf/test_lock.py have their
-own copies of the two-process and 32-block cases and can switch to these.
+with, and a group of forked processes that run one loop per round (test_kvcache,
+test_lock and test_scaling).
 """
 
 from __future__ import annotations

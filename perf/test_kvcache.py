@@ -28,6 +28,8 @@ from functools import partial
 
 import numpy as np
 import pytest
+from _helpers import cache_lookups, dict_lookups, numpy_copy, random_blocks
+from _helpers import chains as key_chains
 
 import cxlrt
 
@@ -42,36 +44,13 @@ DICT = "python dict"
 NUMPY = "numpy copy"
 
 
-def _chains(n: int, salt: bytes) -> list[list[bytes]]:
-    return [cxlrt.block_hashes(range(i * 10_000, i * 10_000 + 32 * 16), 16, salt=salt)
-            for i in range(n)]
-
-
-def _dict_lookups(d: dict, chains: list[list[bytes]]) -> int:
-    total = 0
-    for keys in chains:
-        for k in keys:
-            if k not in d:
-                break
-            total += 1
-    return total
-
-
-def _cache_lookups(cache: cxlrt.KVCache, chains: list[list[bytes]]) -> int:
-    total = 0
-    for keys in chains:
-        with cache.lookup(keys) as hit:
-            total += len(hit)
-    return total
-
-
 @pytest.mark.parametrize("case", ["dict", "file", "emu"])
 def test_lookup_32_block_chains(bench, regions, case):
     bench.describe("kv_lookup_32", case, baseline=DICT if case == "dict" else None,
                    ops=CHAINS, op="lookup", rate="lookups")
-    chains = _chains(CHAINS, b"perf")
+    chains = key_chains(CHAINS, 32, b"perf")
     d = {k: i for i, keys in enumerate(chains) for k in keys}
-    baseline = partial(_dict_lookups, d, chains)
+    baseline = partial(dict_lookups, d, chains)
     if case == "dict":
         assert bench.run(baseline, rounds=ROUNDS, warmup=WARMUP) == CHAINS * 32
         return
@@ -79,19 +58,9 @@ def test_lookup_32_block_chains(bench, regions, case):
                           capacity_blocks=CHAINS * 32)
     for keys in chains:
         cache.store(keys, bytes(64 * 32))
-    got = bench.run(partial(_cache_lookups, cache, chains), rounds=ROUNDS, warmup=WARMUP,
+    got = bench.run(partial(cache_lookups, cache, chains), rounds=ROUNDS, warmup=WARMUP,
                     paired=(DICT, baseline))
     assert got == CHAINS * 32
-
-
-def _blocks() -> list[np.ndarray]:
-    rng = np.random.default_rng(4)
-    return [rng.integers(0, 256, BB, dtype=np.uint8) for _ in range(NBLK)]
-
-
-def _numpy_copy(src: list[np.ndarray], dst: np.ndarray) -> None:
-    for i, b in enumerate(src):
-        np.copyto(dst[i], b)
 
 
 def _bulk(bench, group: str, case: str):
@@ -103,8 +72,8 @@ def _bulk(bench, group: str, case: str):
         target = TARGET if case == "file" else None
     bench.describe(group, case, baseline=NUMPY if case == "numpy" else None,
                    bytes=NBLK * BB, target=target)
-    src = _blocks()
-    baseline = partial(_numpy_copy, src, np.ones((NBLK, BB), np.uint8))
+    src = random_blocks(NBLK, BB)
+    baseline = partial(numpy_copy, src, np.ones((NBLK, BB), np.uint8))
     if case == "numpy":
         bench.run(baseline, rounds=ROUNDS, warmup=WARMUP)
         return None

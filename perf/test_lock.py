@@ -25,17 +25,13 @@ conftest.Bench.run); ratios compare time per op, so rows may use different N.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import statistics
-import threading
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 
 import pytest
+from _helpers import Group, lock_worker, mutex_worker
 
-import cxlrt
 from cxlrt import lock as cxlock
 from cxlrt import shm
 from cxlrt.mapping import Mapping
@@ -55,10 +51,6 @@ UNCONTENDED_N = {"mutex": 100_000, "file bakery": 100_000, "file manager": 10_00
 CONTENDED_N = {"mutex": 100_000, "file bakery": 20_000, "file manager": 4_000}
 CONTENDED_ROUNDS = 10
 CONTENDED_WARMUP = 1
-BARRIER_TIMEOUT_S = 60.0  # a wedged child fails the benchmark instead of hanging it
-
-# fork: the children inherit the mutex mapping and attach to the region themselves
-_MP = multiprocessing.get_context("fork")
 
 # Python >= 3.12 warns when forking a process with threads (here: the regions'
 # heartbeat and lock-manager threads); the children only attach and run nogil loops.
@@ -133,111 +125,21 @@ def test_lock_uncontended(bench, small_regions, mutex, case):
 # --- contended: two processes ------------------------------------------------------
 
 
-def _mutex_worker(mapping: Mapping, n: int, node: int):
-    return partial(cxlock.mutex_bench, mapping, 0, n), lambda: None
+def _pair(make: Callable[[int], tuple[Callable[[], int], Callable[[], None]]]) -> Group:
+    """Two forked processes, nodes 0 and 1, each pinned to its own CPU (when there are
+    two), so they contend instead of taking turns on one core."""
+    return Group(make, 2)
 
 
-def _lock_worker(spec: str, name: str, n: int, node: int):
-    region = cxlrt.open(spec, node=node)
-    lk = region.lock(name)
-    return partial(cxlock.lock_bench, lk, n), region.close
+def _mutex_pair(mapping: Mapping) -> Group:
+    return _pair(partial(mutex_worker, mapping, CONTENDED_N["mutex"]))
 
 
-def _child(make: Callable, node: int, ready, go, done, stop, counts, span) -> None:
-    """One process of a Pair: per round, wait for `go`, run the loop, meet at `done`."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) >= 2:  # one core per node, as two hosts would have
-            os.sched_setaffinity(0, {cpus[node]})
-        fn, close = make(node)
-        try:
-            ready.wait(BARRIER_TIMEOUT_S)
-            while True:
-                go.wait(BARRIER_TIMEOUT_S)
-                if stop.value:
-                    return
-                span[2 * node] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all
-                counts[node] += fn()
-                span[2 * node + 1] = time.perf_counter()
-                done.wait(BARRIER_TIMEOUT_S)
-        finally:
-            close()
-    except BaseException:
-        for b in (ready, go, done):
-            b.abort()  # the parent fails at its next wait instead of hanging
-        raise
-
-
-class Pair:
-    """Two forked processes, nodes 0 and 1, that run their loop once per round.
-
-    ``make(node)`` runs in each child and returns ``(loop, close)``. Calling the
-    Pair is one round as the parent sees it: release both children at once, wait
-    until both are done. The children outlive the rounds, so no round pays for
-    forking or attaching. Each child is pinned to its own CPU (when there are
-    two), so the scheduler cannot run both on one core, where they would take
-    turns instead of contending. ``overlaps`` records, per round, the fraction
-    of the round during which both loops were running.
-    """
-
-    def __init__(self, make: Callable[[int], tuple[Callable[[], int], Callable[[], None]]]):
-        self.rounds = 0
-        self.ready = _MP.Barrier(3)
-        self.go = _MP.Barrier(3)
-        self.done = _MP.Barrier(3)
-        self.stop = _MP.Value("b", 0, lock=False)
-        self.counts = _MP.Array("Q", 2, lock=False)
-        self.span = _MP.Array("d", 4, lock=False)  # (start, end) of each child's loop
-        self.overlaps: list[float] = []
-        self.procs = [_MP.Process(target=_child, daemon=True,
-                                  args=(make, node, self.ready, self.go, self.done, self.stop,
-                                        self.counts, self.span))
-                      for node in (0, 1)]
-
-    def __enter__(self) -> Pair:
-        for p in self.procs:
-            p.start()
-        try:
-            self.ready.wait(BARRIER_TIMEOUT_S)  # both attached: no round pays for it
-        except threading.BrokenBarrierError:
-            self.__exit__()
-            raise
-        return self
-
-    def __call__(self) -> None:
-        self.go.wait(BARRIER_TIMEOUT_S)
-        self.done.wait(BARRIER_TIMEOUT_S)
-        self.rounds += 1
-        s0, e0, s1, e1 = self.span
-        self.overlaps.append(max(0.0, min(e0, e1) - max(s0, s1)) / (max(e0, e1) - min(s0, s1)))
-
-    def describe_overlap(self, bench, rounds: int) -> None:
-        """extra_info["overlap"]: median over the timed rounds (the last `rounds`)."""
-        overlap = statistics.median(self.overlaps[-rounds:])
-        bench.extra_info["overlap"] = overlap
-        bench.extra_info["note"] = f"loops overlapped {overlap:.0%} of the round (median)"
-
-    def __exit__(self, *exc) -> None:
-        self.stop.value = 1
-        try:
-            if not self.go.broken:
-                self.go.wait(BARRIER_TIMEOUT_S)
-        except threading.BrokenBarrierError:
-            pass
-        for p in self.procs:
-            p.join(BARRIER_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-    def check(self, n: int) -> None:
-        """Both children exited cleanly after one full loop of `n` per round."""
-        assert [p.exitcode for p in self.procs] == [0, 0]
-        assert list(self.counts) == [self.rounds * n] * 2
-
-
-def _mutex_pair(mapping: Mapping) -> Pair:
-    return Pair(partial(_mutex_worker, mapping, CONTENDED_N["mutex"]))
+def _describe_overlap(bench, pair: Group, rounds: int) -> None:
+    """extra_info["overlap"]: median over the timed rounds (the last `rounds`)."""
+    overlap = pair.overlap(rounds)
+    bench.extra_info["overlap"] = overlap
+    bench.extra_info["note"] = f"loops overlapped {overlap:.0%} of the round (median)"
 
 
 @pytest.mark.parametrize("case", ["mutex", "file bakery", "file manager"])
@@ -249,17 +151,17 @@ def test_lock_contended(bench, small_regions, mutex, case):
         with _mutex_pair(mutex) as pair:
             bench.run(pair, rounds=CONTENDED_ROUNDS, warmup=CONTENDED_WARMUP)
         pair.check(n)
-        pair.describe_overlap(bench, CONTENDED_ROUNDS)
+        _describe_overlap(bench, pair, CONTENDED_ROUNDS)
         return
     region, lk = _lock_for(small_regions, case)
     before = lk.acquisitions()
     with (_mutex_pair(mutex) as base,
-          Pair(partial(_lock_worker, region.spec, lk.name, n)) as pair):
+          _pair(partial(lock_worker, region.spec, lk.name, n)) as pair):
         bench.run(pair, rounds=CONTENDED_ROUNDS, warmup=CONTENDED_WARMUP,
                   paired=(MUTEX_BASELINE, base, 2 * CONTENDED_N["mutex"]))
     pair.check(n)
     base.check(CONTENDED_N["mutex"])
-    pair.describe_overlap(bench, CONTENDED_ROUNDS)
+    _describe_overlap(bench, pair, CONTENDED_ROUNDS)
     after = lk.acquisitions()
     # every acquisition went through the global tier, on the children's nodes only
     assert [after[j] - before[j] for j in range(len(after))] == [pair.rounds * n] * 2 + [0] * (

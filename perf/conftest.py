@@ -62,7 +62,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import cxlrt
-from cxlrt import nodelocal
+from cxlrt import nodelocal, shm
+from cxlrt.mapping import Mapping
 
 REGION_SIZE = "256M"
 SMALL_REGION_SIZE = "64M"  # lock and allocator benchmarks (small_regions)
@@ -157,6 +158,20 @@ def small_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
     finally:
         for region, path in opened.values():
             _discard(region, path)
+
+
+@pytest.fixture(scope="module")
+def mutex(perf_dir: str, request) -> Iterator[Mapping]:
+    """The baseline of the lock benchmarks: a robust process-shared pthread mutex at
+    offset 0 of a 4 KiB zero file (one per module)."""
+    path = os.path.join(perf_dir, f"mutex-{request.module.__name__}")
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    m = Mapping(path, 4096)
+    shm.init_robust_mutexes(m, 0, 1, 64)
+    yield m
+    m.close()
+    os.unlink(path)
 
 
 @pytest.fixture(scope="session")

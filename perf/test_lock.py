@@ -25,15 +25,13 @@ conftest.Bench.run); ratios compare time per op, so rows may use different N.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import pytest
 from _helpers import Group, lock_worker, mutex_worker
 
 from cxlrt import lock as cxlock
-from cxlrt import shm
 from cxlrt.mapping import Mapping
 
 ROUNDS = 20
@@ -56,19 +54,6 @@ CONTENDED_WARMUP = 1
 # heartbeat and lock-manager threads); the children only attach and run nogil loops.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:This process .* is multi-threaded:DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def mutex(perf_dir) -> Iterator[Mapping]:
-    """A robust process-shared pthread mutex at offset 0 of a 4 KiB zero file."""
-    path = os.path.join(perf_dir, "mutex")
-    with open(path, "wb") as f:
-        f.write(bytes(4096))
-    m = Mapping(path, 4096)
-    shm.init_robust_mutexes(m, 0, 1, 64)
-    yield m
-    m.close()
-    os.unlink(path)
 
 
 # case -> (region kind, lock_manager, lock name, mode)

@@ -34,7 +34,6 @@ Groups:
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import numpy as np
@@ -51,8 +50,6 @@ from _helpers import (
 )
 
 import cxlrt
-from cxlrt import shm
-from cxlrt.mapping import Mapping
 
 DICT = "python dict"
 NUMPY = "numpy copy"
@@ -101,19 +98,6 @@ HANDOFF_N = {
 }
 HANDOFF_ROUNDS, HANDOFF_WARMUP = 7, 1
 LEASE_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def mutex(perf_dir):
-    """A robust process-shared pthread mutex at offset 0 of a 4 KiB zero file."""
-    path = os.path.join(perf_dir, "scaling-mutex")
-    with open(path, "wb") as f:
-        f.write(bytes(4096))
-    m = Mapping(path, 4096)
-    shm.init_robust_mutexes(m, 0, 1, 64)
-    yield m
-    m.close()
-    os.unlink(path)
 
 
 # Python >= 3.12 warns when forking a process with threads (here: the regions'

@@ -1023,12 +1023,17 @@ cdef class KVCache:
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held)."""
-        cdef uint64_t at = self._stats + self._node * KV_ST_WORDS * 8
+        cdef uint64_t at = self._stats + self._node * KV_ST_WORDS * 8, any = 0
         cdef uint64_t w[KV_ST_WORDS]
-        cdef int rc = cxl_load(self.r, at, w, 64), i
+        cdef int rc, i
+        for i in range(KV_ST_WORDS):
+            any |= d[i]
+        if any == 0:  # a pin pass right after a release usually has nothing to add
+            return 0
+        rc = cxl_load(self.r, at, w, 64)
         if rc != 0:
             return rc
-        for i in range(8):
+        for i in range(KV_ST_WORDS):
             w[i] += d[i]
         rc = cxl_store(self.r, at, w, 64)
         if rc == 0:

@@ -7,7 +7,7 @@ from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
 from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
-from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_coarse_ns
+from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
 from cxlrt.mapping cimport Mapping
 
@@ -140,7 +140,10 @@ cdef class PinTable:
         """Add `delta` to our node's pin on each slot, in the region and in our
         record, and publish (pin mutex held). `done` tells how many slots took it:
         all of them, or on CXLRT_E_KVPINS those before the saturated one."""
-        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_coarse_ns() // 1000000  # an LRU hint
+        # An LRU hint compared with entries' store stamps (fine clock): a coarse clock
+        # lags by up to a tick (4 ms), and a block pinned just after a store then
+        # looks older than it, so eviction takes the wrong one.
+        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
         cdef uint16_t* mine
         cdef int rc = 0
         if self._rec < 0 or self._rec_pid != cxl_pid():

@@ -198,16 +198,6 @@ static inline uint64_t cxl_wall_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* The wall clock at the latest kernel tick (a few ns a read): for LRU hints that
- * only need milliseconds, such as a pin word's last use. */
-static inline uint64_t cxl_wall_coarse_ns(void)
-{
-    struct timespec ts;
-    if (clock_gettime(CLOCK_REALTIME_COARSE, &ts) != 0)
-        return cxl_wall_ns();
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Back off politely while another process (maybe on our own core) holds what we
  * wait for: spin briefly, then yield, then sleep up to ~50 us. */
 static inline void cxl_backoff(uint64_t *spins)

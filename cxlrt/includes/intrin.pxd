@@ -30,7 +30,6 @@ cdef extern from "cxl_intrin.h" nogil:
     uint64_t cxl_now_coarse_ns()
     uint64_t cxl_coarse_slack_ns()
     uint64_t cxl_wall_ns()
-    uint64_t cxl_wall_coarse_ns()
     void cxl_backoff(uint64_t* spins)
     void cxl_spin_ns(uint64_t ns)
 

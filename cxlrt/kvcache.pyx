@@ -2224,9 +2224,13 @@ cdef class Hit:
         return self.n * self.cache.block_bytes if self.cache is not None else 0
 
     cdef bint _mine(self):
+        # A cache the garbage collector cleared (a cycle through a frame that held it
+        # and this hit) has lost its pin table and region: nothing to give back, and
+        # its region pointer must not be followed.
         return (not self.released and self.cache is not None and self.n > 0
                 and self.owner_pid == cxl_pid() and not self.cache._closed
-                and not self.cache.r.closed)
+                and self.cache._pt is not None and self.cache.region is not None
+                and self.cache.region.backend is not None and not self.cache.r.closed)
 
     def release(self):
         """Unpin the blocks (idempotent)."""

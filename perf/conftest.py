@@ -52,6 +52,7 @@ The terminal summary prints one line per row.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -142,22 +143,12 @@ def small_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
     whose lock manager runs in a thread of this process. Everything is removed at
     the end of the session, node-local files included.
     """
-    opened: dict[str, tuple[cxlrt.Region, str]] = {}
-
-    def get(kind: str, *, lock_manager: bool = False) -> cxlrt.Region:
-        name = f"small-{kind}" + ("-mgr" if lock_manager else "")
-        if name not in opened:
-            path = os.path.join(perf_dir, name)
-            region = cxlrt.open(SPECS[kind].format(path=path), node=0, create=True,
-                                size=SMALL_REGION_SIZE, nodes=NODES, lock_manager=lock_manager)
-            opened[name] = (region, path)
-        return opened[name][0]
-
-    try:
+    with _region_cache(perf_dir) as open_once:
+        def get(kind: str, *, lock_manager: bool = False) -> cxlrt.Region:
+            name = f"small-{kind}" + ("-mgr" if lock_manager else "")
+            return open_once(name, kind, size=SMALL_REGION_SIZE, nodes=NODES,
+                             lock_manager=lock_manager)
         yield get
-    finally:
-        for region, path in opened.values():
-            _discard(region, path)
 
 
 @pytest.fixture(scope="module")
@@ -184,19 +175,27 @@ def sized_regions(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
     ``lease`` (seconds) is passed to :func:`cxlrt.open` when creating. Everything
     is removed at the end of the session, node-local files included.
     """
+    with _region_cache(perf_dir) as open_once:
+        yield lambda name, kind, **kw: open_once(f"sized-{name}", kind, **kw)
+
+
+@contextlib.contextmanager
+def _region_cache(perf_dir: str) -> Iterator[Callable[..., cxlrt.Region]]:
+    """``open_once(name, kind, size=, nodes=, lease=None, lock_manager=False)``: node 0
+    of a fresh region in perf_dir/name, opened once per name; all discarded at the end."""
     opened: dict[str, tuple[cxlrt.Region, str]] = {}
 
-    def get(name: str, kind: str, *, size: str, nodes: int, lease: float | None = None,
-            lock_manager: bool = False) -> cxlrt.Region:
+    def open_once(name: str, kind: str, *, size: str, nodes: int, lease: float | None = None,
+                  lock_manager: bool = False) -> cxlrt.Region:
         if name not in opened:
-            path = os.path.join(perf_dir, f"sized-{name}")
+            path = os.path.join(perf_dir, name)
             region = cxlrt.open(SPECS[kind].format(path=path), node=0, create=True, size=size,
                                 nodes=nodes, lease=lease, lock_manager=lock_manager)
             opened[name] = (region, path)
         return opened[name][0]
 
     try:
-        yield get
+        yield open_once
     finally:
         for region, path in opened.values():
             _discard(region, path)

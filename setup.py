@@ -45,6 +45,7 @@ INCLUDE = ["cxlrt/includes"]
 # (extension name, source): backends/ and emulation/ install as cxlrt.backends
 # and cxlrt.emulation, so the tree shows the layers and imports stay in one namespace.
 MODULES = [
+    ("cxlrt.status", "cxlrt/status.pyx"),
     ("cxlrt.mapping", "cxlrt/mapping.pyx"),
     ("cxlrt.crash", "cxlrt/crash.pyx"),
     ("cxlrt.shm", "cxlrt/shm.pyx"),

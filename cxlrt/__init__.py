@@ -5,25 +5,31 @@ Open a region with :func:`cxlrt.open`; see README.md for the memory model.
 
 from cxlrt.api import format, inspect, open
 from cxlrt.caps import Caps
-from cxlrt.channel import Channel, ChannelBusyError, ChannelRoleLostError
+from cxlrt.channel import Channel
 from cxlrt.errors import (
+    ChannelBusyError,
+    ChannelRoleLostError,
     ChecksumError,
+    ClaimLost,
     CoherenceError,
     CxlrtError,
     InvalidFreeError,
     LayoutVersionError,
+    LeaseLost,
+    LockTimeout,
     NodeRangeError,
+    NoLockManager,
     NotARegionError,
     OutOfMemory,
     OutOfRangeError,
     RegionClosedError,
     RegionError,
     RegionSizeError,
+    SchemeMismatchError,
     UnsupportedError,
 )
 from cxlrt.hashing import block_hashes
-from cxlrt.kvcache import ClaimLost, Hit, KVCache, SchemeMismatchError
-from cxlrt.lock import LeaseLost, LockTimeout, NoLockManager
+from cxlrt.kvcache import Hit, KVCache
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 

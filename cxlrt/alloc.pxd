@@ -20,17 +20,13 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
-from cxlrt.lock cimport cxl_lockctx
+from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.nodelocal cimport cxl_local_heap
 
 
 cdef enum:
     CXL_NCLASSES = 9          # 64 B .. 16 KiB
-    CXLRT_E_NOMEM = -1020
-    CXLRT_E_BADFREE = -1021   # not the start of a live object
-    CXLRT_E_DOUBLEFREE = -1022
-    CXLRT_E_CORRUPT = -1024   # a table word or header that cannot be right
-    CXLRT_E_SUSPECT = -1025   # silent past the lease while publishing under the allocator lock
+    CXL_CLASS_MIN = 64        # class c holds CXL_CLASS_MIN << c bytes
 
 
 ctypedef struct cxl_allocctx:
@@ -45,3 +41,23 @@ ctypedef struct cxl_allocctx:
     uint32_t node
     uint32_t nodes
     uint32_t ticks            # this process's heap-mutex sections, for periodic queue peeks
+
+
+cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil
+cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexcept nogil
+cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil
+
+
+cdef inline uint32_t cxl_size_class(uint64_t n) noexcept nogil:
+    """The smallest class that holds n bytes; CXL_NCLASSES when n needs whole chunks."""
+    cdef uint32_t c = 0
+    while c < CXL_NCLASSES and (<uint64_t>CXL_CLASS_MIN << c) < n:
+        c += 1
+    return c
+
+
+# Declared here for the benchmarks (microbench.pyx), which loop over the C calls.
+cdef class Allocator:
+    cdef cxl_allocctx A
+    cdef readonly object region
+    cdef LockService _svc               # keeps A.L alive

@@ -25,31 +25,24 @@ PEEK_EVERY heap-mutex sections of its own allocs and frees, in trim(), drain() a
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_publish, cxl_region,
-                            cxl_store, cxl_store64)
+from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_observe64, cxl_persist,
+                            cxl_publish, cxl_region, cxl_store, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport cxl_fence_release, cxl_now_ns, unlikely
+from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_popcount64,
+                                    unlikely)
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
-from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXLRT_E_FENCED, cxl_lock_acquire,
+from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService, cxl_lock_acquire,
                          cxl_lock_release)
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
+from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CORRUPT, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
+                           CXLRT_E_NOMEM, CXLRT_E_RANGE, CXLRT_E_SUSPECT, check_rc)
 
-from cxlrt.errors import (InvalidFreeError, OutOfMemory, OutOfRangeError, RegionError)
-from cxlrt.lock import LeaseLost
+from cxlrt.errors import OutOfMemory, OutOfRangeError, RegionError
 
-cdef extern from *:
-    """
-    static inline int cxl_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
-    static inline int cxl_popcount64(unsigned long long x) { return __builtin_popcountll(x); }
-    #define CXL_RFREE_PENDING 0x52465245452D5051ULL  /* a queued object's mark, ^ its offset */
-    #define CXL_RFREE_APPLIED 0x52465245452D4150ULL  /* an applied one's, ^ its offset */
-    #define CXL_OFF_MASK 0x0000FFFFFFFFFFFFULL       /* jword: offsets below 2**48 */
-    """
-    int cxl_ctz64(unsigned long long x) nogil
-    int cxl_popcount64(unsigned long long x) nogil
+cdef extern from "cxl_layout.h":
     const uint64_t RFREE_PENDING "CXL_RFREE_PENDING"
     const uint64_t RFREE_APPLIED "CXL_RFREE_APPLIED"
     const uint64_t OFF_MASK "CXL_OFF_MASK"
@@ -62,7 +55,6 @@ cdef enum:
     KIND_TAIL = 3
     SMALL_MAGIC = 0x534D4C43
     RFREE_BYTES = 4096
-    MAX_CLASS = 16384
     CLASS_SHIFT0 = 6          # CLASSES[c] == 1 << (CLASS_SHIFT0 + c)
     # cxl_rfree_queue (layout.pxd): line 0 under the allocator lock, line 1 the owner's; the
     # three words of line 0, and of a link line, are read together (_observe3)
@@ -131,11 +123,7 @@ cdef inline uint64_t _chunk_off(cxl_allocctx* A, uint64_t k) noexcept nogil:
 
 cdef inline int _table_observe(cxl_allocctx* A, uint64_t k, uint64_t* w) noexcept nogil:
     """Observe table[k] (another node may have changed it under the lock)."""
-    cdef uint64_t off = A.table_off + k * 8
-    cdef int rc = cxl_flush(A.r, off, 8)
-    if rc == 0:
-        rc = cxl_load64(A.r, off, w)
-    return rc
+    return cxl_observe64(A.r, A.table_off + k * 8, w)
 
 
 cdef inline int _table_set(cxl_allocctx* A, uint64_t k, uint64_t w) noexcept nogil:
@@ -536,8 +524,7 @@ cdef bint _on_list(cxl_allocctx* A, uint64_t e, uint64_t x) noexcept nogil:
     while e != 0 and n < A.max_objects:
         if e == x:
             return True
-        if not _objlike(A, e) or cxl_flush(A.r, e, 64) != 0 \
-                or cxl_load64(A.r, e + LINK_NEXT, &nxt) != 0 \
+        if not _objlike(A, e) or cxl_observe64(A.r, e + LINK_NEXT, &nxt) != 0 \
                 or (nxt != 0 and _loops(nxt, &tortoise, &power, &lam)):
             return False
         e = nxt
@@ -553,7 +540,7 @@ cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexce
     cdef uint64_t jw = 0
     if _on_list(A, head, x):
         return True
-    if cxl_flush(A.r, q + RQ_JWORD, 8) != 0 or cxl_load64(A.r, q + RQ_JWORD, &jw) != 0:
+    if cxl_observe64(A.r, q + RQ_JWORD, &jw) != 0:
         return True  # cannot tell: refuse rather than link x into two lists
     return _on_list(A, jw & OFF_MASK, x)
 
@@ -760,7 +747,7 @@ cdef void _peek_drain(cxl_allocctx* A) noexcept nogil:
     to report: the alloc or free that got us here has succeeded.
     """
     cdef uint64_t q = _queue(A, A.node), head = 0, applied = 0
-    if cxl_flush(A.r, q, 64) == 0 and cxl_load64(A.r, q + RQ_HEAD, &head) == 0 and head:
+    if cxl_observe64(A.r, q + RQ_HEAD, &head) == 0 and head:
         _drain_locked(A, &applied)
 
 
@@ -908,7 +895,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     cdef int rc
     cdef cxl_local_heap* h = A.heap
     if off < A.heap_off or off >= A.heap_off + A.nchunks * CHUNK:
-        return -1001
+        return CXLRT_E_RANGE
     k = (off - A.heap_off) // CHUNK
     rc = _table_observe(A, k, &w)
     if rc != 0:
@@ -1032,36 +1019,28 @@ cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
 
 # --- Python layer ------------------------------------------------------------------------
 
-_ERRORS = {
-    CXLRT_E_NOMEM: (OutOfMemory, "out of memory"),
-    CXLRT_E_BADFREE: (InvalidFreeError, "not the start of a live allocation"),
-    CXLRT_E_DOUBLEFREE: (InvalidFreeError, "already free (double free)"),
-    CXLRT_E_CORRUPT: (RegionError, "allocator metadata is corrupt (`cxlrt check`)"),
-    -1001: (OutOfRangeError, "outside the heap"),
-    CXLRT_E_FENCED: (LeaseLost, "this process was silent for longer than the lease while "
-                     "it held the allocator lock (or its node was taken over), so another "
-                     "node may have held the lock since; it stopped before writing from what "
-                     "it had read: not done (a free may be retried)"),
-    CXLRT_E_SUSPECT: (LeaseLost, "this process was silent for longer than the lease while "
-                      "it published under the allocator lock; the write may have overlapped "
-                      "another node's hold: not acknowledged, and it may have taken effect "
-                      "(do not retry a free; `cxlrt check` tells what the heap holds)"),
+# What the allocator can add to a status's meaning (status.pyx picks the exception).
+_DETAIL = {
+    CXLRT_E_RANGE: "outside the heap",
+    CXLRT_E_FENCED: ("this process was silent for longer than the lease while it held the "
+                     "allocator lock (or its node was taken over), so another node may have "
+                     "held the lock since; it stopped before writing from what it had read: "
+                     "not done (a free may be retried)"),
+    CXLRT_E_SUSPECT: ("this process was silent for longer than the lease while it published "
+                      "under the allocator lock; the write may have overlapped another node's "
+                      "hold: not acknowledged, and it may have taken effect (do not retry a "
+                      "free; `cxlrt check` tells what the heap holds)"),
 }
 
 
 cdef class Allocator:
     """Per-Region allocator state; use :meth:`Region.alloc` and friends."""
 
-    cdef cxl_allocctx A
-    cdef readonly object region
-    cdef object _svc
-
     def __init__(self, region):
-        from cxlrt.lock import LockService
-        svc = region.locks
+        cdef LockService svc = region.locks
         self._svc = svc
         self.region = region
-        self.A.L = _lockctx(svc)
+        self.A.L = &svc.L
         self.A.r = self.A.L.r
         self.A.heap = (<NodeLocal>svc.local).heap
         alloc_off, _ = region.sections["alloc"]
@@ -1080,11 +1059,7 @@ cdef class Allocator:
         # and a heartbeat must never wait on another node (DESIGN.md, failure model).
 
     def _raise(self, int rc, str what):
-        if rc in _ERRORS:
-            cls, msg = _ERRORS[rc]
-            raise cls(f"{what}: {msg}")
-        from cxlrt.lock import _rc
-        _rc(rc, what)
+        check_rc(rc, what, _DETAIL.get(rc))
 
     def alloc(self, nbytes, align=64):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -1094,16 +1069,14 @@ cdef class Allocator:
             raise ValueError(f"align must be a power of two <= {CHUNK}, got {align!r}")
         cdef uint64_t out = 0, n = max(nbytes, align)
         cdef int rc
-        cdef uint32_t c = 0
-        if n > MAX_CLASS:
+        cdef uint32_t c = cxl_size_class(n)
+        if c == CXL_NCLASSES:
             if n > self.A.nchunks * CHUNK:
                 raise OutOfMemory(f"alloc({nbytes}): larger than the whole heap "
                                   f"({self.A.nchunks * CHUNK} bytes)")
             with nogil:
                 rc = cxl_alloc_large(&self.A, n, &out)
         else:
-            while CLASS_SIZE[c] < n:
-                c += 1
             with nogil:
                 rc = cxl_alloc_small(&self.A, c, &out)
         if rc != 0:
@@ -1156,11 +1129,6 @@ cdef class Allocator:
             self._raise(rc, "trim")
 
 
-cdef cxl_lockctx* _lockctx(object svc) except NULL:
-    from cxlrt.lock import _ctx_address
-    return <cxl_lockctx*><size_t>_ctx_address(svc)
-
-
 def table_word(uint64_t w):
     """Decode a chunk-table word: (kind, owner, low)."""
     return _kind(w), _owner(w), _low(w)
@@ -1169,44 +1137,3 @@ def table_word(uint64_t w):
 def class_geometry():
     """[(size, nslots, data_start)] of every size class."""
     return [(CLASS_SIZE[i], CLASS_SLOTS[i], CLASS_DATA[i]) for i in range(CXL_NCLASSES)]
-
-
-cdef extern from "<stdlib.h>" nogil:
-    void* malloc(size_t n)
-    void free "free"(void* p)
-
-
-def alloc_free_bench(Allocator a, uint64_t nbytes, uint64_t iters):
-    """perf/: `iters` x (alloc, free) of `nbytes` in one nogil loop; returns iters."""
-    cdef uint64_t i, off = 0, n = nbytes
-    cdef uint32_t c = 0
-    cdef int rc = 0
-    cdef bint small = n <= MAX_CLASS
-    if small:
-        while CLASS_SIZE[c] < n:
-            c += 1
-    with nogil:
-        for i in range(iters):
-            rc = cxl_alloc_small(&a.A, c, &off) if small else cxl_alloc_large(&a.A, n, &off)
-            if rc != 0:
-                break
-            rc = cxl_free(&a.A, off)
-            if rc != 0:
-                break
-    if rc != 0:
-        a._raise(rc, "alloc_free_bench")
-    return iters
-
-
-def malloc_free_bench(uint64_t nbytes, uint64_t iters):
-    """Baseline for perf/: `iters` x (malloc, touch, free) from glibc in one nogil loop."""
-    cdef uint64_t i
-    cdef char* p
-    with nogil:
-        for i in range(iters):
-            p = <char*>malloc(nbytes)
-            if p == NULL:
-                break
-            p[0] = 1  # the compiler may not elide the pair
-            free(p)
-    return iters

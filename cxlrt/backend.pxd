@@ -20,14 +20,7 @@ from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_fence_release, cxl_fence
 from libc.string cimport memcpy
 
 from cxlrt.mapping cimport Mapping
-
-
-cdef enum:
-    CXLRT_E_RANGE = -1001      # offset/length outside the region or misaligned
-    CXLRT_E_COHERENCE = -1002  # emulation checker saw a protocol violation
-    CXLRT_E_CLOSED = -1003     # region already closed
-    CXLRT_E_IO = -1004         # the medium failed (RDMA completion error, ...)
-    CXLRT_E_UNSUPPORTED = -1005  # operation this backend cannot do
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_RANGE
 
 
 cdef enum:
@@ -206,6 +199,24 @@ cdef inline int cxl_publish(const cxl_region* r, uint64_t off, uint64_t n) noexc
         cxl_fence_release()
         return 0
     return cxl_persist(r, off, n)
+
+
+cdef inline int cxl_observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
+    """Observe a word another node publishes: drop our copy of its line, then load.
+    Pairs with the writer's persist (store, flush, fence) of the same line."""
+    cdef int rc = cxl_flush(r, off, 8)
+    if likely(rc == 0):
+        rc = cxl_load64(r, off, v)
+    return rc
+
+
+cdef inline int cxl_observe(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Observe [off, off+n): drop our copy of its lines, then copy it out of our view.
+    Not one untorn read: a writer publishing meanwhile may be seen in part."""
+    cdef int rc = cxl_flush(r, off, n)
+    if likely(rc == 0):
+        rc = cxl_load(r, off, dst, n)
+    return rc
 
 
 cdef inline int cxl_dma_read(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:

@@ -65,8 +65,6 @@ cdef enum:
     CXL_CHAN_MAX_MSG = 1 << 30
     CXL_CHAN_COPY_MAX = 1024    # send: up to this many bytes go out as one DMA via a copy
     CXL_CHAN_AGAIN = 1          # status: ring full (send) or empty (recv); not an error
-    CXLRT_E_CHANCORRUPT = -1040  # a counter, run or slot word that cannot be right
-    CXLRT_E_CHANLOST = -1041    # our role was taken over (or our node's life ended)
 
 
 cdef enum:

@@ -1,14 +1,13 @@
 from typing import Any, Literal
 
-from cxlrt.errors import CxlrtError
+from cxlrt.errors import ChannelBusyError as ChannelBusyError
+from cxlrt.errors import ChannelRoleLostError as ChannelRoleLostError
 from cxlrt.region import Region
 
 CHAN_MAGIC: int
 LOCK_NAME: str
 PREFIX: str
 MAX_NAME: int
-
-class ChannelBusyError(CxlrtError, RuntimeError): ...
 
 class Channel:
     region: Region

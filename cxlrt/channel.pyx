@@ -37,20 +37,20 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from cxlrt.backend cimport (cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, cxl_load64,
-                            cxl_persist, cxl_region, cxl_store64)
+                            cxl_observe64, cxl_persist, cxl_region, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, cxl_pid,
                                     likely, unlikely)
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64
 from cxlrt.liveness cimport Liveness, cxl_live_fenced, cxl_live_silent_since
 from cxlrt.region cimport Region
+from cxlrt.status cimport CXLRT_E_CHANCORRUPT, CXLRT_E_CHANLOST
 
 from cxlrt.crash import point as _point
 from cxlrt.directory import check_name
-from cxlrt.errors import CxlrtError, RegionError
+from cxlrt.errors import ChannelBusyError, ChannelRoleLostError, LeaseLost, RegionError
 from cxlrt import rolelock
 from cxlrt.liveness import boot_hash, pid_namespace, process_alive, process_start
-from cxlrt.lock import LeaseLost
 
 CHAN_MAGIC = int.from_bytes(b"CXLCHAN2", "little")
 OLD_MAGICS = {int.from_bytes(b"CXLCHAN1", "little"): 1}  # layouts this build refuses
@@ -81,20 +81,6 @@ cdef int* _armed = cxl_crash_armed_ptr()
 cdef bint _skip_observe = False
 # Set by _test_skip_fencing(): owners never look at their epoch. Negative control only.
 cdef bint _skip_fencing = False
-
-
-class ChannelBusyError(CxlrtError, RuntimeError):
-    """The producer (or consumer) role of a channel is held by another live process."""
-
-
-class ChannelRoleLostError(ChannelBusyError):
-    """This process held the role, and another process took it over.
-
-    Raised by the first send()/recv() after the takeover (the old owner was judged
-    gone while it was silent: stopped, paused, or its node judged dead). That call
-    did not send (or receive) its message; the message says so. The Channel object
-    no longer holds the role: a later call claims it again like a new process.
-    """
 
 
 # --- fast paths (no GIL, no Python) ------------------------------------------------------
@@ -146,9 +132,7 @@ cdef int _read_run(const cxl_region* r, uint64_t line, uint64_t x, uint64_t* bas
     another run (not written yet, or replaced meanwhile), or an error. The fields read
     here never change during run x (its counter, which does, is not read)."""
     cdef uint64_t tag = 0, tag2 = 0
-    cdef int rc = cxl_flush(r, line, 64)
-    if rc == 0:
-        rc = cxl_load64(r, line + 8, &tag)
+    cdef int rc = cxl_observe64(r, line + 8, &tag)
     if rc == 0 and tag == x:
         rc = cxl_load64(r, line + 16, base)
         if rc == 0:
@@ -566,9 +550,7 @@ cdef int cxl_chan_release(const cxl_region* r, uint64_t claim, uint64_t epoch,
     a process that took the role over is the line's writer now, and a line has one
     writer. One word: a partial write-back cannot mix two claims."""
     cdef uint64_t e = 0, o = 0
-    cdef int rc = cxl_flush(r, claim, 64)
-    if rc == 0:
-        rc = cxl_load64(r, claim, &e)
+    cdef int rc = cxl_observe64(r, claim, &e)
     if rc == 0:
         rc = cxl_load64(r, claim + 24, &o)
     if rc != 0 or e != epoch or o != owner:
@@ -686,6 +668,7 @@ cdef class Channel:
         _check_count("slots", slots, 1, CXL_CHAN_MAX_SLOTS)
         _check_count("msg_bytes", msg_bytes, 1, CXL_CHAN_MAX_MSG)
         self.region = region
+        region._closing.add(self)  # gives our roles back if the region closes first
         self.name = name
         self.C.r = region.r
         self.C.c_run_seen = NONE
@@ -1112,6 +1095,7 @@ cdef class Channel:
     cdef int _raise(self, int rc, str op) except -1:
         """Turn a status into the matching exception."""
         where = f"channel {self.name!r} {op}"
+        detail = None
         if rc == CXLRT_E_CHANCORRUPT:
             v, at, k = self.C.bad_value, self.C.bad_off, self.C.bad_kind
             if k == CXL_CHAN_BAD_LEN:
@@ -1129,9 +1113,8 @@ cdef class Channel:
                         f"{CXL_CHAN_RUNS} takeovers since this process last looked)")
             else:
                 what = f"head {v} is not between {self.C.seen_head} and tail {self.C.tail}"
-            raise RegionError(f"{where}: {what} (corrupt word at offset {at:#x})")
-        self.region._rc(rc, where, 0, 0)
-        raise RegionError(f"{where}: status {rc}")
+            detail = f"{what} (corrupt word at offset {at:#x})"
+        return self.region._rc(rc, where, 0, 0, detail)
 
     cdef _lost(self, str role, str op):
         """Our role was taken over (CXLRT_E_CHANLOST). Return if this call's message

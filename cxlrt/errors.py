@@ -88,3 +88,58 @@ class OutOfMemory(CxlrtError, MemoryError):
 
 class InvalidFreeError(CxlrtError, ValueError):
     """free() of an offset that is not a live allocation (never allocated, or freed twice)."""
+
+
+class LockTimeout(CxlrtError, TimeoutError):
+    """A lock was not acquired within the timeout."""
+
+
+class NoLockManager(CxlrtError):
+    """A manager-mode lock was waited on while no lock manager ran (LockService.manager_wait)."""
+
+
+class LeaseLost(CxlrtError):
+    """This node was silent longer than the lease while holding a lock.
+
+    Other nodes may have broken the hold, so the critical section may have
+    overlapped another holder's: treat what it protected as suspect.
+    """
+
+
+class ChannelBusyError(CxlrtError, RuntimeError):
+    """The producer (or consumer) role of a channel is held by another live process."""
+
+
+class ChannelRoleLostError(ChannelBusyError):
+    """This process held the role, and another process took it over.
+
+    Raised by the first send()/recv() after the takeover (the old owner was judged
+    gone while it was silent: stopped, paused, or its node judged dead). That call
+    did not send (or receive) its message; the message says so. The Channel object
+    no longer holds the role: a later call claims it again like a new process.
+    """
+
+
+class SchemeMismatchError(RegionError, ValueError):
+    """A KV cache exists under this name with another hash scheme or geometry."""
+
+
+class ClaimLost(LeaseLost):
+    """store(): another node took over some of this call's blocks while this process
+    made no progress for longer than the lease (a stall); they were not stored.
+
+    Attributes
+    ----------
+    stored : list of bytes
+        The keys this call did store.
+    lost : list of bytes
+        The keys taken over (store them again if they are still wanted).
+    """
+
+    def __init__(self, message, stored=(), lost=()):
+        super().__init__(message)
+        self.stored = list(stored)
+        self.lost = list(lost)
+
+    def __reduce__(self):
+        return (ClaimLost, (str(self), self.stored, self.lost))

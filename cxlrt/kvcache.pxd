@@ -64,7 +64,6 @@ cdef enum:
     KV_REC_DEFERRED = 5        # a payload nobody references, whose free() failed: retry
     KV_QUARANTINE_LEASES = 8   # see kvcache.pyx: release of a dead node's quarantine
     KV_COPY_CHUNK = 1048576    # bytes copied between two progress/epoch checks
-    CXLRT_E_KVCORRUPT = -1030  # an entry or payload header that cannot be right
     KV_ENTRY_META = 16         # offset of kv_entry.meta (checked at import)
     KV_KEY_BYTES = 16          # a chained block key (cxlrt.hashing.KEY_BYTES)
 

@@ -1,8 +1,8 @@
 from collections.abc import Sequence
 from typing import Any
 
-from cxlrt.errors import RegionError
-from cxlrt.lock import LeaseLost
+from cxlrt.errors import ClaimLost as ClaimLost
+from cxlrt.errors import SchemeMismatchError as SchemeMismatchError
 from cxlrt.region import Region
 
 STATE_NAMES: dict[int, str]
@@ -10,14 +10,6 @@ STAT_NAMES: tuple[str, ...]
 RECORD_NAMES: dict[int, str]
 QUARANTINE_LEASES: int
 COPY_CHUNK: int
-
-class SchemeMismatchError(RegionError, ValueError): ...
-
-class ClaimLost(LeaseLost):
-    stored: list[bytes]
-    lost: list[bytes]
-    def __init__(self, message: str, stored: Sequence[bytes] = ...,
-                 lost: Sequence[bytes] = ...) -> None: ...
 
 class KVCache:
     region: Region

@@ -101,25 +101,27 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
                             cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
-                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_persist, cxl_region,
-                            cxl_store)
+                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
+                            cxl_persist, cxl_region, cxl_store)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
-from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
+from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
                              cxl_node_state)
-from cxlrt.lock cimport CXLRT_E_FENCED, cxl_lockctx
+from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_FENCED, CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC,
+                           CXLRT_E_KVPINS)
 
 
 import hashlib
 import os
 import time
 
-from cxlrt.errors import InvalidFreeError, OutOfMemory, RegionError
-from cxlrt.lock import LeaseLost
+from cxlrt.errors import (ClaimLost, InvalidFreeError, LeaseLost, OutOfMemory, RegionError,
+                          SchemeMismatchError)
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 
@@ -146,31 +148,6 @@ RECORD_NAMES = {KV_REC_EVICT: "evicting", KV_REC_TAKE: "taking over",
                 KV_REC_QUARANTINE: "quarantined", KV_REC_DEFERRED: "deferred"}
 QUARANTINE_LEASES = KV_QUARANTINE_LEASES
 COPY_CHUNK = KV_COPY_CHUNK
-
-
-class SchemeMismatchError(RegionError, ValueError):
-    """A KV cache exists under this name with another hash scheme or geometry."""
-
-
-class ClaimLost(LeaseLost):
-    """store(): another node took over some of this call's blocks while this process
-    made no progress for longer than the lease (a stall); they were not stored.
-
-    Attributes
-    ----------
-    stored : list of bytes
-        The keys this call did store.
-    lost : list of bytes
-        The keys taken over (store them again if they are still wanted).
-    """
-
-    def __init__(self, message, stored=(), lost=()):
-        super().__init__(message)
-        self.stored = list(stored)
-        self.lost = list(lost)
-
-    def __reduce__(self):
-        return (ClaimLost, (str(self), self.stored, self.lost))
 
 
 _WHERE = [0, 0]  # [pid, hash of (boot id, pid namespace)] for this process
@@ -310,6 +287,7 @@ cdef class KVCache:
 
     cdef const cxl_region* r
     cdef cxl_lockctx* L
+    cdef LockService _locks              # keeps L alive
     cdef readonly Region region
     cdef readonly str name
     cdef readonly uint64_t offset        # the cache object in the region
@@ -376,15 +354,15 @@ cdef class KVCache:
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
         self._lock = region.lock(f"kv:{tag}")
         self._pin_lock = region.lock(f"kvp:{tag}").index
-        from cxlrt.lock import _ctx_address
-        self.L = <cxl_lockctx*><size_t>_ctx_address(region.locks)
+        self._locks = region.locks
+        self.L = &self._locks.L
         self._attach(name, create, block_bytes, capacity_blocks)
         from cxlrt.nodelocal import local_dir
         path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self._node}"
                                          f"-kv{self.offset:x}.pins")
-        self._pt = PinTable(region, <size_t>self.L, self._pin_lock, self._pins, self.slots, path)
+        self._pt = PinTable(region, self._locks, self._pin_lock, self._pins, self.slots, path)
         self._closed = False
-        region._closing.add(self)  # publishes our pending counters if the region closes first
+        region._closing.add(self)  # closed (counters published, pins given back) before the region
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
 
     def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
@@ -549,9 +527,7 @@ cdef class KVCache:
         cdef uint64_t at = self._entries + s * 64, spins = 0
         cdef int rc, tries
         for tries in range(1000):
-            rc = cxl_flush(self.r, at, 64)
-            if rc == 0:
-                rc = cxl_load(self.r, at, e, 64)
+            rc = cxl_observe(self.r, at, e, 64)
             if rc != 0:
                 return rc
             if _line_ok(e):
@@ -585,9 +561,7 @@ cdef class KVCache:
 
     cdef int _get(self, uint64_t at, void* line) noexcept nogil:
         """Observe one line (drop our copy, then load)."""
-        cdef int rc = cxl_flush(self.r, at, 64)
-        if rc == 0:
-            rc = cxl_load(self.r, at, line, 64)
+        cdef int rc = cxl_observe(self.r, at, line, 64)
         return rc
 
     cdef bint _payload_ok(self, const kv_entry* e) noexcept nogil:
@@ -637,9 +611,7 @@ cdef class KVCache:
     cdef int _counters(self, uint64_t* w) noexcept nogil:
         """occupancy, payload bytes, records high-water mark."""
         cdef uint64_t at = self.offset + 128
-        cdef int rc = cxl_flush(self.r, at, 64)
-        if rc == 0:
-            rc = cxl_load(self.r, at, w, 24)
+        cdef int rc = cxl_observe(self.r, at, w, 24)
         return rc
 
     cdef int _set_counters(self, const uint64_t* w) noexcept nogil:
@@ -693,9 +665,7 @@ cdef class KVCache:
     cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff:
         """Node `node`'s current incarnation (its area's word 2)."""
         cdef uint64_t at = self.region.node_area(node), v = 0
-        cdef int rc = cxl_flush(self.r, at, 64)
-        if rc == 0:
-            rc = cxl_load64(self.r, at + 16, &v)
+        cdef int rc = cxl_observe64(self.r, at + 16, &v)
         self._io(rc, "node area")
         return v
 
@@ -904,9 +874,7 @@ cdef class KVCache:
                 if c.slot < self.slots:
                     at = self._pt.at(j, c.slot)
                     with nogil:
-                        rc = cxl_flush(self.r, at, 8)
-                        if rc == 0:
-                            rc = cxl_load64(self.r, at, &w)
+                        rc = cxl_observe64(self.r, at, &w)
                     self._io(rc, "records")
                     if w & KV_PIN_MAX:
                         self._doomed.pop(key, None)  # back and pinning: not dead throughout
@@ -1051,30 +1019,25 @@ cdef class KVCache:
         return rc
 
     cdef int _raise(self, int rc, str what) except -1:
+        """Raise what status `rc` means (status.pyx), told with what this cache knows."""
+        where = f"KV cache {self.name!r}: {what}"
+        detail = None
         if rc == CXLRT_E_FENCED:
-            raise LeaseLost(
-                f"KV cache {self.name!r}: {what}: this process was silent for longer than the "
-                f"{self.region.lease_ms / 1000.0:g} s lease while it held the cache lock; another "
-                "node may hold it now, so nothing more was written")
-        if rc == CXLRT_E_KVCORRUPT:
-            raise RegionError(
-                f"KV cache {self.name!r}: {what}: slot {self._bad_slot} holds an entry or "
-                "payload that cannot be right (corrupt region; run `cxlrt check`)")
-        if rc == CXLRT_E_KVNOREC:
-            raise RuntimeError(f"KV cache {self.name!r}: {what}: this process has no record "
-                               "in the node's pin table")
-        if rc == CXLRT_E_KVPINS:
-            raise RuntimeError(f"KV cache {self.name!r}: {what}: this node holds {KV_PIN_MAX} "
-                               "pins on one block; release hits")
-        if rc < 0 and rc > -1000:
-            raise OSError(-rc, f"KV cache {self.name!r}: {what}: {os.strerror(-rc)}")
-        return self.region._rc(rc, f"KV cache {self.name!r}: {what}", 0, 0)
+            detail = (f"this process was silent for longer than the "
+                      f"{self.region.lease_ms / 1000.0:g} s lease while it held the cache lock; "
+                      "another node may hold it now, so nothing more was written")
+        elif rc == CXLRT_E_KVCORRUPT:
+            detail = (f"slot {self._bad_slot} holds an entry or payload that cannot be right "
+                      "(corrupt region; run `cxlrt check`)")
+        elif rc == CXLRT_E_KVPINS:
+            detail = f"this node holds {KV_PIN_MAX} pins on one block; release hits"
+        return self.region._rc(rc, where, 0, 0, detail)
 
     cdef void _need_open(self) except *:
         if self._closed:
             raise ValueError(f"KV cache {self.name!r} is closed")
         if self.r.closed:
-            self.region._rc(-1003, "KV cache", 0, 0)
+            self.region._rc(CXLRT_E_CLOSED, "KV cache", 0, 0)
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -1174,9 +1137,7 @@ cdef class KVCache:
         keep = m
         for j in range(m):
             w = 0
-            rc = cxl_flush(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, 8)
-            if rc == 0:
-                rc = cxl_load64(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, &w)
+            rc = cxl_observe64(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, &w)
             want = (hit.gens[j] << 8) | KV_READY
             if rc != 0 or w != want:
                 keep = j
@@ -1778,9 +1739,7 @@ cdef class KVCache:
         gone[0] = 0
         for j in range(self._nodes):
             at = self._pt.at(j, s)
-            rc = cxl_flush(self.r, at, 8)
-            if rc == 0:
-                rc = cxl_load64(self.r, at, &w)
+            rc = cxl_observe64(self.r, at, &w)
             if rc != 0:
                 return rc
             if w & KV_PIN_MAX:
@@ -2128,20 +2087,16 @@ cdef class KVCache:
             raise IndexError(f"slot {s} of {self.slots}")
         return self._entries + s * 64
 
-    def _region_closing(self):
-        """The region is about to close under us: publish the pending counters."""
-        if not self._closed and self._pt is not None and not self.r.closed:
-            try:
-                self._publish_pending()
-            except Exception:  # noqa: BLE001  (counters only: closing must go on)
-                pass
+    @property
+    def closed(self):
+        """True once close() ran (or the region closed, which closes its caches first)."""
+        return self._closed
 
     def close(self):
         """Detach: give this process's pins and pin-table record back. Idempotent.
 
-        Hits still open are forgotten (their pins are given back here). After the
-        region was closed first, the record is given back by this process's next
-        attach, or by its node once the process exits.
+        Hits still open are forgotten (their pins are given back here). The region's
+        close() closes its caches first.
         """
         if self._closed:
             return

@@ -15,19 +15,18 @@
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
-from cxlrt.lock cimport cxl_lockctx
+from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.mapping cimport Mapping
 
 
 cdef enum:
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
-    CXLRT_E_KVPINS = -1031     # this node holds KV_PIN_MAX pins on one slot
-    CXLRT_E_KVNOREC = -1032    # this process has no record in the node-local pin table yet
 
 
 cdef class PinTable:
     cdef const cxl_region* r
     cdef cxl_lockctx* L
+    cdef LockService _locks        # keeps L alive
     cdef uint32_t lock_id          # the pin lock: only its node-local mutex is used
     cdef uint32_t node
     cdef uint32_t nodes

@@ -10,6 +10,7 @@ from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load6
 from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
 from cxlrt.mapping cimport Mapping
+from cxlrt.status cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, check_rc
 
 import fcntl
 import os
@@ -42,10 +43,11 @@ cdef class PinTable:
     Every process of a node must share the node-local folder and pid namespace.
     """
 
-    def __init__(self, region, uint64_t lockctx, uint32_t lock_id, uint64_t pins,
+    def __init__(self, region, LockService locks, uint32_t lock_id, uint64_t pins,
                  uint64_t slots, str path):
         self._region = region
-        self.L = <cxl_lockctx*><size_t>lockctx
+        self._locks = locks
+        self.L = &locks.L
         self.r = self.L.r
         self.lock_id = lock_id
         self.node = region.node
@@ -110,7 +112,7 @@ cdef class PinTable:
         with nogil:
             rc = self.enter()
         if rc != 0:
-            raise RegionError(f"pin table: node-local mutex: status {rc}")
+            check_rc(rc, "pin table: node-local mutex")
 
     # --- pins ----------------------------------------------------------------------------
 
@@ -266,7 +268,7 @@ cdef class PinTable:
             with nogil:
                 rc = self._release(k)
             if rc != 0:
-                raise RegionError(f"pin table: giving back pins: status {rc}")
+                check_rc(rc, "pin table: giving back pins")
         return freed
 
     def recover(self):
@@ -320,7 +322,7 @@ cdef class PinTable:
                 rc = self._release(k)
                 self.leave()
         if rc != 0:
-            raise RegionError(f"pin table: giving back pins: status {rc}")
+            check_rc(rc, "pin table: giving back pins")
 
     def __dealloc__(self):
         if self._rec >= 0 and self._rec_pid == cxl_pid() and _HELD is not None:

@@ -13,7 +13,8 @@ cimport cython
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport Backend, cxl_flush, cxl_load, cxl_load64, cxl_persist, cxl_store64
+from cxlrt.backend cimport (Backend, cxl_flush, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
+                            cxl_persist, cxl_store64)
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
                                     cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns, cxl_coarse_slack_ns)
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
@@ -22,6 +23,7 @@ from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_a
                                     cxl_plain_mutex_unlock, cxl_sleep_ns, cxl_thread_join,
                                     cxl_thread_start)
 from cxlrt.layout cimport (CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED, CXL_NODE_NEVER)
+from cxlrt.status cimport check_rc
 
 from cxlrt.errors import RegionError
 
@@ -120,7 +122,7 @@ cdef int cxl_live_verify(cxl_live* V) noexcept nogil:
     cdef uint64_t off = V.nodes_off + <uint64_t>V.node * CXL_NODE_AREA, inc = 0
     if cxl_live_fenced(V):
         return 1
-    if cxl_flush(V.r, off, 64) == 0 and cxl_load64(V.r, off + AREA_INC, &inc) == 0:
+    if cxl_observe64(V.r, off + AREA_INC, &inc) == 0:
         if inc != V.incarnation:
             cxl_atomic_store_release_int(&V.fenced, 1)
     return cxl_live_fenced(V)
@@ -140,8 +142,8 @@ cdef int cxl_node_state(cxl_live* V, uint32_t j) noexcept nogil:
     if j == V.node:
         return CXL_LIVE_ALIVE
     off = V.nodes_off + <uint64_t>j * CXL_NODE_AREA
-    # Observe: drop our copy of the line, then load (pairs with the beat's persist).
-    if cxl_flush(V.r, off, 64) != 0 or cxl_load(V.r, off, w, 24) != 0:
+    # Pairs with the beat's persist.
+    if cxl_observe(V.r, off, w, 24) != 0:
         return CXL_LIVE_ALIVE
     if w[1] == CXL_NODE_NEVER:
         return CXL_LIVE_NEVER
@@ -314,8 +316,7 @@ cdef class Liveness:
         with nogil:
             _beat_once(&self.V)  # alive from the first instant (and last_beat set)
         if self.V.beat_rc:
-            raise RegionError(f"{r.spec}: cannot publish node {r.node}'s heartbeat "
-                              f"(status {self.V.beat_rc})")
+            check_rc(self.V.beat_rc, f"{r.spec}: cannot publish node {r.node}'s heartbeat")
 
     def _wait_previous_life(self, uint64_t beat, uint64_t inc, uint64_t host):
         """Take the node over only once its recorded life is silent for a lease."""

@@ -23,7 +23,9 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
-from cxlrt.liveness cimport cxl_live
+from cxlrt.liveness cimport Liveness, cxl_live
+from cxlrt.nodelocal cimport NodeLocal
+from cxlrt.region cimport Region
 
 
 cdef enum:
@@ -32,10 +34,6 @@ cdef enum:
     CXL_LOCK_MANAGER = 2
     CXL_LOCK_META = 0      # lock 0 guards the lock table and the directory
     CXL_LOCK_ALLOC = 1     # lock 1 guards the chunk table and remote-free queues
-    CXLRT_E_TIMEOUT = -1010
-    CXLRT_E_LOCKSTATE = -1011  # a lock's own state is unusable (not created, bad mode)
-    CXLRT_E_FENCED = -1012     # superseded (another life of the node, or another manager)
-    CXLRT_E_NOMANAGER = -1013  # a manager-mode waiter saw no manager pass for mgr_wait_ns
 
 
 ctypedef struct cxl_lockctx:
@@ -59,3 +57,39 @@ cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef int cxl_lock_sweep(void* ctx) noexcept nogil
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil
+
+
+ctypedef struct cxl_mgr_pace:
+    uint64_t spin_ns          # spin this long after a grant changed, then sleep
+    uint64_t changed_at       # our clock at the latest pass that changed a grant
+    uint64_t yields           # passes followed by a yield (spinning)
+    uint64_t sleeps           # passes followed by a ~20 us sleep
+
+
+# Declared here so that the allocator, the KV cache and its pin table take the lock
+# context from a typed service (cimport), and keep the service alive while they use it.
+cdef class LockService:
+    cdef cxl_lockctx L
+    cdef readonly Region region
+    cdef readonly NodeLocal local
+    cdef readonly Liveness live
+    cdef readonly double lease_s
+    cdef object _stop
+    cdef object _mgr_thread
+    cdef readonly uint64_t mgr_epoch     # epoch of the manager we run, 0 = none
+    cdef readonly object mgr_exit        # why our manager stopped (None while running)
+    cdef dict _modes
+    cdef bint _closed
+    cdef uint64_t _spin_ns               # our manager spins this long after a grant changed
+    cdef cxl_mgr_pace _pace              # its pacing state and counts (manager thread only)
+
+    cdef uint64_t _rec(self, uint32_t i)
+
+
+cdef class Lock:
+    cdef readonly LockService svc
+    cdef readonly uint32_t index
+    cdef readonly str name
+    cdef uint32_t _mode
+    cdef readonly bint recovered   # the last acquire took over from a dead holder
+    cdef uint64_t _t0              # our monotonic ns when the current hold's acquire began

@@ -11,10 +11,11 @@ import os
 import threading
 import time
 
+from libc.errno cimport ETIMEDOUT
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, CXLRT_E_COHERENCE, cxl_flush, cxl_load, cxl_load64,
+from cxlrt.backend cimport (CXL_F_DIRECT, CXL_F_NOFLUSH, cxl_load64, cxl_observe, cxl_observe64,
                             cxl_persist, cxl_publish, cxl_region, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.layout cimport CXL_NODE_AREA
@@ -25,12 +26,15 @@ from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_verify, cxl_node_gone)
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
-from cxlrt.includes.thread cimport cxl_sleep_ns
+from cxlrt.includes.thread cimport cxl_set_timerslack_1ns, cxl_sleep_ns
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
 from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
+from cxlrt.status cimport (CXLRT_E_COHERENCE, CXLRT_E_FENCED, CXLRT_E_LOCKSTATE, CXLRT_E_NOMANAGER,
+                           CXLRT_E_TIMEOUT, check_rc)
 
-from cxlrt.errors import CxlrtError, RegionError
+from cxlrt.errors import LeaseLost, LockTimeout, NoLockManager, RegionError
+from cxlrt.status import name_of
 
 cdef extern from "cxl_intrin.h" nogil:
     uint32_t cxl_thread_id()
@@ -48,14 +52,6 @@ cdef uint64_t ACCEPT_MASK = (<uint64_t>1 << 56) - 1
 cdef int* _armed = cxl_crash_armed_ptr()
 
 
-class LockTimeout(CxlrtError, TimeoutError):
-    """A lock was not acquired within the timeout."""
-
-
-class NoLockManager(CxlrtError):
-    """A manager-mode lock was waited on while no lock manager ran (LockService.manager_wait)."""
-
-
 # A manager-mode waiter gives up once no manager has made a pass for this long, or two
 # leases if longer (a standby takes a stalled manager over after one lease).
 MANAGER_WAIT_S = 3.0
@@ -66,14 +62,6 @@ MANAGER_WAIT_S = 3.0
 MANAGER_SPIN_S = 0.002
 MANAGER_SPIN_MAX_S = 3600.0  # and no inf: seconds become a 64-bit count of ns
 MANAGER_WAIT_MAX_S = 1e6
-
-
-class LeaseLost(CxlrtError):
-    """This node was silent longer than the lease while holding a lock.
-
-    Other nodes may have broken the hold, so the critical section may have
-    overlapped another holder's: treat what it protected as suspect.
-    """
 
 
 # --- helpers --------------------------------------------------------------------
@@ -93,14 +81,6 @@ cdef inline uint64_t _line(cxl_lockctx* L, uint32_t id, uint32_t j) noexcept nog
 
 cdef inline uint64_t _grant(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return cxl_lock_record(L, id) + 64 * (1 + L.nodes)
-
-
-cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
-    """Observe: drop our copy of the line, then load (pairs with the writer's persist)."""
-    cdef int rc = cxl_flush(r, off, 8)
-    if rc == 0:
-        rc = cxl_load64(r, off, v)
-    return rc
 
 
 cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil:
@@ -189,7 +169,7 @@ cdef int _bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
         if rc != 0:
             break
         if j != L.node:
-            rc = _observe64(r, _line(L, id, j) + 8, &v)
+            rc = cxl_observe64(r, _line(L, id, j) + 8, &v)
             if v > mx:
                 mx = v
     ticket = mx + 1
@@ -244,7 +224,7 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
         spins = 0
         next_check = 0  # read the clock only once we actually wait
         while True:  # wait while j is choosing
-            rc = _observe64(r, ln, &v)
+            rc = cxl_observe64(r, ln, &v)
             if rc != 0 or v == 0:
                 break
             tick = _wait_tick(L, j, &next_check, deadline)
@@ -255,7 +235,7 @@ cdef int _bakery_wait(cxl_lockctx* L, uint32_t id, uint64_t ticket,
                 return tick
             cxl_backoff(&spins)
         while rc == 0:  # wait while j holds a smaller (ticket, node)
-            rc = _observe64(r, ln + 8, &v)
+            rc = cxl_observe64(r, ln + 8, &v)
             if rc != 0 or v == 0 or v > ticket or (v == ticket and j > L.node):
                 break
             tick = _wait_tick(L, j, &next_check, deadline)
@@ -284,7 +264,7 @@ cdef inline uint64_t _grant_word(uint64_t node, uint64_t epoch, uint64_t seq) no
 
 cdef inline int _claim_epoch(cxl_lockctx* L, uint64_t* epoch) noexcept nogil:
     """Observe the manager claim's epoch (written only by a takeover, under lock 0)."""
-    return _observe64(L.r, L.locks_off + 8, epoch)
+    return cxl_observe64(L.r, L.locks_off + 8, epoch)
 
 
 ctypedef struct cxl_mgr_watch:
@@ -306,10 +286,10 @@ cdef int _mgr_watch(cxl_lockctx* L, cxl_mgr_watch* w, uint64_t now) noexcept nog
     if now < w.next_ns:
         return 0
     w.next_ns = now + 20000000
-    if cxl_flush(L.r, L.locks_off, 16) == 0 and cxl_load(L.r, L.locks_off, c, 16) == 0 \
+    if cxl_observe(L.r, L.locks_off, c, 16) == 0 \
             and c[0] != 0 and c[0] <= L.nodes and not cxl_node_gone(L.live, c[0] - 1):
         node = L.nodes_off + (c[0] - 1) * CXL_NODE_AREA + 64  # its mgr_epoch, mgr_beat
-        if cxl_flush(L.r, node, 16) == 0 and cxl_load(L.r, node, a, 16) == 0 and a[0] == c[1]:
+        if cxl_observe(L.r, node, a, 16) == 0 and a[0] == c[1]:
             if w.claim == c[0] and w.epoch == c[1] and w.beat != a[1]:
                 w.ran_ns = now
             w.claim, w.epoch, w.beat = c[0], c[1], a[1]
@@ -358,7 +338,7 @@ cdef int _mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept n
     watch.ran_ns = cxl_now_ns()
     want = ((<uint64_t>L.node + 1) << 56) | (seq & GRANT_SEQ_MASK)
     while True:
-        rc = _observe64(r, g, &gw)
+        rc = cxl_observe64(r, g, &gw)
         if rc != 0:
             break
         if (gw & ~(GRANT_EPOCH_MASK << 40)) == want:
@@ -401,13 +381,6 @@ cdef int _mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return rc
 
 
-ctypedef struct cxl_mgr_pace:
-    uint64_t spin_ns          # spin this long after a grant changed, then sleep
-    uint64_t changed_at       # our clock at the latest pass that changed a grant
-    uint64_t yields           # passes followed by a yield (spinning)
-    uint64_t sleeps           # passes followed by a ~20 us sleep
-
-
 ctypedef struct cxl_mgr_lock:
     uint32_t last             # node granted last (round robin starts after it)
     uint32_t held             # node our grant names, + 1 (0: no grant of ours stands)
@@ -431,7 +404,7 @@ cdef int _mgr_publish(cxl_lockctx* L, uint32_t id, uint64_t epoch, uint64_t w,
     if rc == CXLRT_E_COHERENCE and _claim_epoch(L, &ep) == 0 and ep == epoch:
         # A superseded manager's one late store made our copy of the line stale (the
         # emulation refuses a store over it): observe, then store again.
-        rc = _observe64(L.r, _grant(L, id), &ep)
+        rc = cxl_observe64(L.r, _grant(L, id), &ep)
         if rc == 0:
             rc = cxl_store64(L.r, _grant(L, id), w)
     if rc == 0:
@@ -450,7 +423,7 @@ cdef int _mgr_line(cxl_lockctx* L, uint32_t id, uint32_t j, uint64_t* v) noexcep
     """Node j's (req, rel, acquisitions, accepted) as one snapshot; 1 if a request of a
     live node is in flight (req > rel)."""
     cdef uint64_t off = _line(L, id, j) + 16
-    if cxl_flush(L.r, off, 32) != 0 or cxl_load(L.r, off, v, 32) != 0:
+    if cxl_observe(L.r, off, v, 32) != 0:
         return 0
     return 1 if v[0] > v[1] and not cxl_node_dead(L, j) else 0
 
@@ -496,7 +469,7 @@ cdef int _mgr_step(cxl_lockctx* L, uint32_t id, uint64_t epoch, cxl_mgr_lock* st
     cdef uint64_t gw = 0
     cdef uint32_t d, j
     # Observed every pass, also to keep our copy of the line fresh for the store.
-    cdef int rc = _observe64(L.r, _grant(L, id), &gw)
+    cdef int rc = cxl_observe64(L.r, _grant(L, id), &gw)
     if rc != 0:
         return rc
     if not st.adopted:
@@ -549,7 +522,7 @@ cdef int _mgr_passes(cxl_lockctx* L, uint32_t* ids, uint32_t n, uint64_t epoch,
             sched_yield()
             pace.yields += 1
         else:
-            cxl_backoff_short()
+            cxl_sleep_ns(20000)
             pace.sleeps += 1
     return rc
 
@@ -581,7 +554,7 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     if rc < 0:
         rc = cxl_mutex_timedlock(&s.m, timeout_ns if timeout_ns < (<uint64_t>1 << 62)
                                  else <uint64_t>1 << 62)
-    if rc == -110:  # ETIMEDOUT
+    if rc == -ETIMEDOUT:
         return CXLRT_E_TIMEOUT
     if rc < 0:
         return rc
@@ -698,9 +671,7 @@ cdef int cxl_lock_sweep(void* ctx) noexcept nogil:
 cdef int _observe_mode(cxl_lockctx* L, uint32_t id, uint32_t* mode) noexcept nogil:
     """The mode of lock record `id`, observed; CXLRT_E_LOCKSTATE if it is not a lock."""
     cdef uint64_t w[2]
-    cdef int rc = cxl_flush(L.r, cxl_lock_record(L, id), 16)
-    if rc == 0:
-        rc = cxl_load(L.r, cxl_lock_record(L, id), w, 16)
+    cdef int rc = cxl_observe(L.r, cxl_lock_record(L, id), w, 16)
     if rc != 0:
         return rc
     mode[0] = <uint32_t>w[1]  # the low half of the (mode, name_len) word
@@ -711,25 +682,6 @@ cdef int _observe_mode(cxl_lockctx* L, uint32_t id, uint32_t* mode) noexcept nog
 
 # --- Python layer -------------------------------------------------------------------
 
-cdef extern from *:
-    """
-    #include <time.h>
-    static inline void cxl_backoff_short(void)
-    {
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
-    }
-    """
-    void cxl_backoff_short() nogil
-
-
-cdef extern from *:
-    """
-    #include <sys/prctl.h>
-    static inline void cxl_set_timerslack_1ns(void) { prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }
-    """
-    void cxl_set_timerslack_1ns() nogil
-
 
 MODES = {"bakery": CXL_LOCK_BAKERY, "manager": CXL_LOCK_MANAGER}
 MODE_NAMES = {v: k for k, v in MODES.items()}
@@ -739,16 +691,6 @@ NAME_BYTES = 40
 MAX_LOCKS = 64
 
 
-def _rc(int rc, str what):
-    if rc == 0:
-        return
-    if rc == CXLRT_E_TIMEOUT:
-        raise LockTimeout(f"{what}: timed out")
-    if rc == -1002:
-        raise RegionError(f"{what}: the emulation's checker flagged the lock protocol")
-    raise RegionError(f"{what}: status {rc}")
-
-
 cdef class LockService:
     """Per-Region lock machinery: node-local lock slots and the lock manager.
 
@@ -756,20 +698,6 @@ cdef class LockService:
     The heartbeat belongs to the region's Liveness; this service only installs
     the sweep that gives back dead siblings' holds.
     """
-
-    cdef cxl_lockctx L
-    cdef readonly Region region
-    cdef readonly NodeLocal local
-    cdef readonly Liveness live
-    cdef readonly double lease_s
-    cdef object _stop
-    cdef object _mgr_thread
-    cdef readonly uint64_t mgr_epoch     # epoch of the manager we run, 0 = none
-    cdef readonly object mgr_exit        # why our manager stopped (None while running)
-    cdef dict _modes
-    cdef bint _closed
-    cdef uint64_t _spin_ns               # our manager spins this long after a grant changed
-    cdef cxl_mgr_pace _pace              # its pacing state and counts (manager thread only)
 
     def __init__(self, Region region, Liveness live):
         self.region = region
@@ -1023,7 +951,7 @@ cdef class LockService:
                 self.mgr_exit = "superseded by another manager"
                 return
             if rc != 0:
-                self.mgr_exit = f"status {rc}"
+                self.mgr_exit = name_of(rc)
                 return
 
     def stop_manager(self):
@@ -1074,13 +1002,6 @@ cdef class Lock:
     RuntimeError instead of a deadlock.
     """
 
-    cdef readonly LockService svc
-    cdef readonly uint32_t index
-    cdef readonly str name
-    cdef uint32_t _mode
-    cdef readonly bint recovered   # the last acquire took over from a dead holder
-    cdef uint64_t _t0              # our monotonic ns when the current hold's acquire began
-
     def __init__(self, LockService svc, uint32_t index, str name, uint32_t mode):
         self.svc = svc
         self.index = index
@@ -1119,7 +1040,7 @@ cdef class Lock:
             raise LeaseLost(f"lock {self.name!r}: node {self.svc.L.node} was taken over by "
                             "another process group while this one was silent; this process "
                             "may no longer act as the node")
-        _rc(rc, f"acquire {self.name!r}")
+        self.svc.region._rc(rc, f"acquire {self.name!r}", 0, 0)
         self._t0 = t0
         return True
 
@@ -1138,7 +1059,7 @@ cdef class Lock:
             rc = cxl_lock_release(&self.svc.L, self.index, self._mode)
             silent = silent or cxl_live_silent_since(self.svc.L.live, self._t0)
         if rc != CXLRT_E_FENCED:
-            _rc(rc, f"release {self.name!r}")
+            self.svc.region._rc(rc, f"release {self.name!r}", 0, 0)
         if silent or rc == CXLRT_E_FENCED:
             raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
                             f"the {self.svc.lease_s} s lease while holding or waiting for "
@@ -1207,22 +1128,6 @@ cdef class Lock:
         return f"<cxlrt.Lock {self.name!r} #{self.index} {self.mode}>"
 
 
-def lock_bench(Lock lock, uint64_t iters):
-    """`iters` x (acquire, release) in one nogil loop; returns iters (perf/)."""
-    cdef uint64_t i
-    cdef int rc = 0, rec = 0
-    with nogil:
-        for i in range(iters):
-            rc = cxl_lock_acquire(&lock.svc.L, lock.index, lock._mode, <uint64_t>-1, &rec)
-            if rc != 0:
-                break
-            rc = cxl_lock_release(&lock.svc.L, lock.index, lock._mode)
-            if rc != 0:
-                break
-    _rc(rc, "lock_bench")
-    return iters
-
-
 def builtin_headers(unsigned long long locks_off, int nodes):
     """(offset, bytes) of the built-in lock headers a new region starts with."""
     out = []
@@ -1232,11 +1137,6 @@ def builtin_headers(unsigned long long locks_off, int nodes):
                 + len(raw).to_bytes(4, "little") + raw.ljust(48, b"\0"))
         out.append((locks_off + 64 + i * (nodes + 2) * 64, body))
     return out
-
-
-def _ctx_address(LockService svc):
-    """Address of a service's lock context, for sibling modules (same process only)."""
-    return <size_t>&svc.L
 
 
 def forget_node_lines(region):
@@ -1277,7 +1177,7 @@ def _reset_node_line(LockService svc, uint32_t i, uint32_t mode):
     if busy:
         with nogil:
             rc = _global_reset(&svc.L, i, mode)
-        _rc(rc, "repair")
+        check_rc(rc, "repair")
     return bool(busy)
 
 
@@ -1299,24 +1199,3 @@ def read_header(region, uint32_t i):
     if n > NAME_BYTES or mode not in MODE_NAMES:
         raise RegionError(f"lock record {i} is corrupt (mode {mode}, name length {n})")
     return raw[16:16 + n].decode("utf-8", "replace"), mode
-
-
-def mutex_bench(Mapping m, unsigned long long offset, uint64_t iters):
-    """Baseline for perf/: `iters` x lock/unlock of the pthread mutex at m.base + offset.
-
-    Initialise it first with cxlrt.shm.init_robust_mutexes (process-shared, robust).
-    """
-    cdef pthread_mutex_t* mu = <pthread_mutex_t*>(m.base + offset)
-    cdef uint64_t i
-    cdef int rc = 0
-    if offset + sizeof(pthread_mutex_t) > m.size:
-        raise ValueError("mutex outside the mapping")
-    with nogil:
-        for i in range(iters):
-            rc = cxl_mutex_lock(mu)
-            if rc < 0:
-                break
-            cxl_mutex_unlock(mu)
-    if rc < 0:
-        raise OSError(-rc, "pthread_mutex_lock failed")
-    return iters

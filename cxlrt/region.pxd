@@ -16,8 +16,9 @@ cdef class Region:
     cdef object _heap              # Allocator, created on first use
     cdef object _dir               # Directory, created on first use
     cdef object _live              # Liveness: our membership of the node (None: observer)
-    cdef object _closing           # WeakSet: objects told before the mapping goes
+    cdef object _closing           # WeakSet: dependents closed before the mapping goes
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
 
-    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n) except -1
+    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n, str detail=*) except -1
+    cdef tuple _what(self, int rc, str op, uint64_t off, uint64_t n)

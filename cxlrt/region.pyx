@@ -13,16 +13,15 @@ import weakref
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t
 
-from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXLRT_E_CLOSED,
-                            CXLRT_E_COHERENCE, CXLRT_E_RANGE, CXLRT_E_UNSUPPORTED, Backend,
-                            cxl_check_range, cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
-                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_persist, cxl_store,
-                            cxl_store64)
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, Backend, cxl_check_range,
+                            cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain,
+                            cxl_load, cxl_load64, cxl_persist, cxl_store, cxl_store64)
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_RANGE, CXLRT_E_UNSUPPORTED,
+                           check_rc)
 
 from cxlrt import superblock as _sb
 from cxlrt.caps import Caps
-from cxlrt.errors import (CoherenceError, NotARegionError, OutOfRangeError, RegionClosedError,
-                          RegionError, RegionSizeError, UnsupportedError)
+from cxlrt.errors import NotARegionError, RegionError, RegionSizeError, UnsupportedError
 
 # Below this many bytes a copy costs less than releasing and retaking the GIL.
 DEF_NOGIL_BYTES = 4096
@@ -51,7 +50,7 @@ cdef class Region:
         self.spec = spec
         self.sections = {}
         self._busy = 0
-        self._closing = weakref.WeakSet()
+        self._closing = weakref.WeakSet()  # KV caches and channels: closed first
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -121,10 +120,12 @@ cdef class Region:
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
-        # Objects that keep process-local state destined for the region (a KV cache's
-        # pending counters) write it while the mapping is still there.
+        # Dependents first (KV caches, channels), while the mapping is still there:
+        # pending counters are published and pins and roles given back, not left for
+        # a later life of this process or node to recover. Their hits and locks then
+        # find the region closed.
         for obj in list(self._closing):
-            obj._region_closing()
+            obj.close()
         self._closing.clear()
         live, self._live = self._live, None
         if self._locks is not None:
@@ -284,31 +285,37 @@ cdef class Region:
 
     # --- status -------------------------------------------------------------------
 
-    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n) except -1:
-        """Turn a CXLRT_E_* status into the matching exception."""
+    cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n, str detail=None) except -1:
+        """Raise what a status means (status.pyx), told with what the caller knows
+        (`detail`) or else with what this region knows."""
         if rc == 0:
             return 0
+        if detail is not None:
+            return check_rc(rc, op, detail)
+        detail, extra = self._what(rc, op, off, n)
+        return check_rc(rc, op, detail, extra)
+
+    cdef tuple _what(self, int rc, str op, uint64_t off, uint64_t n):
+        """(detail, exception keywords) for a status: the range of an access, the spec,
+        the checker's last violation."""
         if rc == CXLRT_E_RANGE:
-            raise OutOfRangeError(f"{op}: [{off}, {off + n}) is outside the region of "
-                                  f"{self.r.size} bytes" + (
-                                      " or not 8-byte aligned" if op.endswith("64") else ""))
+            return (f"[{off}, {off + n}) is outside the region of {self.r.size} bytes"
+                    + (" or not 8-byte aligned" if op.endswith("64") else "")), None
         if rc == CXLRT_E_CLOSED:
-            raise RegionClosedError(f"{op}: {self.spec} is closed")
+            return f"{self.spec} is closed", None
         if rc == CXLRT_E_COHERENCE:
             v = self.backend.last_violation() or {}
-            seed = self.backend.params.get("seed")
             other = v.get("other", -1)
             who = f" (node {other} holds it dirty)" if other >= 0 else ""
-            raise CoherenceError(
-                f"{op}: {v.get('kind', 'violation')} at offset 0x{v.get('offset', 0):x} "
-                f"(line {v.get('offset', 0) // 64}) by node {self.r.node}{who}; "
-                f"replay with seed={seed}",
-                kind=v.get("kind", ""), offset=v.get("offset", -1), node=self.r.node,
-                other=other)
+            return (f"{v.get('kind', 'violation')} at offset 0x{v.get('offset', 0):x} "
+                    f"(line {v.get('offset', 0) // 64}) by node {self.r.node}{who}; "
+                    f"replay with seed={self.backend.params.get('seed')}",
+                    dict(kind=v.get("kind", ""), offset=v.get("offset", -1), node=self.r.node,
+                         other=other))
         if rc == CXLRT_E_UNSUPPORTED:
-            raise UnsupportedError(f"{op}: not supported by {self.backend.scheme}: "
-                                   "(backend not bound to a node yet?)")
-        raise RegionError(f"{op}: backend error {rc}")
+            return (f"not supported by {self.backend.scheme}: "
+                    "(backend not bound to a node yet?)"), None
+        return None, None
 
     # --- loads and stores through this node's view -------------------------------
 

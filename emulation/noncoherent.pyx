@@ -15,28 +15,16 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy
 
-from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS,
-                            CXLRT_E_COHERENCE, cxl_ops)
+from cxlrt.backend cimport CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS, cxl_ops
 from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
                                     cxl_fence_full, cxl_spin_ns, likely, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
                                    pthread_mutex_t)
+from cxlrt.includes.thread cimport cxl_atomic_store_seqcst_fence64
 from cxlrt.mapping cimport Mapping
+from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_UNSUPPORTED
 
 from cxlrt.emulation import sidecar as _sidecar
-
-cdef extern from *:
-    """
-    /* Dekker-style publish of a tag: the store must be globally visible before
-     * the checker's peeks at other nodes' tags (paired with the same sequence in
-     * the other node's emu_store), so two concurrent stores cannot both miss. */
-    static inline void emu_store_tag_seqcst(uint64_t *p, uint64_t v)
-    {
-        __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    }
-    """
-    void emu_store_tag_seqcst(uint64_t* p, uint64_t v) nogil
 
 
 # --- per-set lock -------------------------------------------------------------
@@ -268,7 +256,7 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
             if unlikely(c.check):
                 # Mark dirty first, then look at the others (Dekker): of two nodes
                 # storing at once, at least one sees the other's mark.
-                emu_store_tag_seqcst(&c.tags[i], (old_tag & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
+                cxl_atomic_store_seqcst_fence64(&c.tags[i], (old_tag & ~(<uint64_t>EMU_STATE_MASK)) | EMU_DIRTY)
                 other = _dirty_elsewhere(c, line)
                 if other >= 0:
                     cxl_atomic_store_relaxed64(&c.tags[i], old_tag)
@@ -342,21 +330,28 @@ cdef int emu_fence(void* ctx) noexcept nogil:
     return 0
 
 
+cdef int _dma_over_dirty(emu_ctx* c, uint64_t off, uint64_t n, int kind) noexcept nogil:
+    """A DMA bypasses every node's cache: the checker flags a line some node holds dirty."""
+    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6
+    cdef int other
+    while line <= last:
+        other = _dirty_anywhere(c, line)
+        if other >= 0:
+            return _violation(c, kind, line, other)
+        line += 1
+    return 0
+
+
 cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
     """Read the medium directly; the checker flags lines some node holds dirty."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line, last
-    cdef int other
+    cdef int rc
     if n == 0:
         return 0
     if unlikely(c.check):
-        line = off >> 6
-        last = (off + n - 1) >> 6
-        while line <= last:
-            other = _dirty_anywhere(c, line)
-            if other >= 0:
-                return _violation(c, EMU_V_DMA_READ_DIRTY, line, other)
-            line += 1
+        rc = _dma_over_dirty(c, off, n, EMU_V_DMA_READ_DIRTY)
+        if rc != 0:
+            return rc
     memcpy(dst, c.medium + off, n)
     _dma_delay(c, n)
     return 0
@@ -365,18 +360,13 @@ cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept n
 cdef int emu_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
     """Write the medium directly; cached copies elsewhere become stale, not updated."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line, last
-    cdef int other
+    cdef int rc
     if n == 0:
         return 0
     if unlikely(c.check):
-        line = off >> 6
-        last = (off + n - 1) >> 6
-        while line <= last:
-            other = _dirty_anywhere(c, line)
-            if other >= 0:
-                return _violation(c, EMU_V_DMA_OVER_DIRTY, line, other)
-            line += 1
+        rc = _dma_over_dirty(c, off, n, EMU_V_DMA_OVER_DIRTY)
+        if rc != 0:
+            return rc
     memcpy(c.medium + off, src, n)
     _dma_delay(c, n)
     # The data must be in the medium before any flag the caller publishes next.
@@ -405,27 +395,27 @@ EMU_OPS.dma_write = emu_dma_write
 
 
 cdef int _unbound_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 cdef int _unbound_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 cdef int _unbound_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 cdef int _unbound_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 cdef int _unbound_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 cdef int _unbound_fence(void* ctx) noexcept nogil:
-    return -1005
+    return CXLRT_E_UNSUPPORTED
 
 
 # Before bind() only DMA works: the superblock is read and written that way,

@@ -16,7 +16,7 @@ from functools import partial
 import numpy as np
 
 import cxlrt
-from cxlrt import lock as cxlock
+from cxlrt import microbench
 from cxlrt.mapping import Mapping
 
 BARRIER_TIMEOUT_S = 120.0  # a wedged child fails the benchmark instead of hanging it
@@ -75,14 +75,14 @@ def numpy_copy(src: list[np.ndarray], dst: np.ndarray) -> None:
 
 def mutex_worker(mapping: Mapping, n: int, node: int):
     """A process's loop on the pthread mutex at offset 0 of `mapping` (`make` of Group)."""
-    return partial(cxlock.mutex_bench, mapping, 0, n), lambda: None
+    return partial(microbench.mutex_bench, mapping, 0, n), lambda: None
 
 
 def lock_worker(spec: str, name: str, n: int, node: int):
     """A process's loop on lock `name` of the region `spec`, attached as `node`."""
     region = cxlrt.open(spec, node=node)
     lk = region.lock(name)
-    return partial(cxlock.lock_bench, lk, n), region.close
+    return partial(microbench.lock_bench, lk, n), region.close
 
 
 def _child(make: Callable, node: int, ready, go, done, stop, counts, span) -> None:

@@ -18,7 +18,7 @@ from functools import partial
 
 import pytest
 
-from cxlrt import alloc
+from cxlrt import microbench
 
 ROUNDS = 20
 WARMUP = 2
@@ -36,13 +36,13 @@ def test_alloc_free(bench, small_regions, size, case):
     nbytes, n = SIZES[size], N[size][case]
     bench.describe(f"alloc_free_{size}", case,
                    baseline=MALLOC_BASELINE if case == "malloc" else None, ops=n, op="pair")
-    baseline = partial(alloc.malloc_free_bench, nbytes, N[size]["malloc"])
+    baseline = partial(microbench.malloc_free_bench, nbytes, N[size]["malloc"])
     if case == "malloc":
         assert bench.run(baseline, rounds=ROUNDS, warmup=WARMUP) == n
         return
     region = small_regions(case)
     start = region.usage()["live_bytes"]
-    result = bench.run(partial(alloc.alloc_free_bench, region._allocator, nbytes, n),
+    result = bench.run(partial(microbench.alloc_free_bench, region._allocator, nbytes, n),
                        rounds=ROUNDS, warmup=WARMUP,
                        paired=(MALLOC_BASELINE, baseline, N[size]["malloc"]))
     assert result == n

@@ -31,7 +31,7 @@ from functools import partial
 import pytest
 from _helpers import Group, lock_worker, mutex_worker
 
-from cxlrt import lock as cxlock
+from cxlrt import microbench
 from cxlrt.mapping import Mapping
 
 ROUNDS = 20
@@ -90,14 +90,14 @@ def test_lock_uncontended(bench, small_regions, mutex, case):
     bench.describe("lock_uncontended", case,
                    baseline=MUTEX_BASELINE if case == "mutex" else None, ops=n, op="pair",
                    target=TARGET if case == "file bakery" else None)
-    baseline = partial(cxlock.mutex_bench, mutex, 0, UNCONTENDED_N["mutex"])
+    baseline = partial(microbench.mutex_bench, mutex, 0, UNCONTENDED_N["mutex"])
     if case == "mutex":
         assert bench.run(baseline, rounds=ROUNDS, warmup=WARMUP) == n
-        assert cxlock.mutex_bench(mutex, 0, 1) == 1  # left unlocked
+        assert microbench.mutex_bench(mutex, 0, 1) == 1  # left unlocked
         return
     _, lk = _lock_for(small_regions, case)
     before = lk.acquisitions()[0]
-    fn = _Counted(partial(cxlock.lock_bench, lk, n))
+    fn = _Counted(partial(microbench.lock_bench, lk, n))
     result = bench.run(fn, rounds=ROUNDS, warmup=WARMUP,
                        paired=(MUTEX_BASELINE, baseline, UNCONTENDED_N["mutex"]))
     assert result == n

@@ -229,4 +229,8 @@ static inline void cxl_spin_ns(uint64_t ns)
 static inline void cxl_prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
 static inline void cxl_prefetch_w(const void *p) { __builtin_prefetch(p, 1, 3); }
 
+/* Bit scans of a 64-bit word (an allocator bitmap): x != 0 for ctz. */
+static inline int cxl_ctz64(uint64_t x) { return __builtin_ctzll(x); }
+static inline int cxl_popcount64(uint64_t x) { return __builtin_popcountll(x); }
+
 #endif /* CXL_INTRIN_H */

@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -37,6 +38,10 @@ static inline void cxl_sleep_ns(uint64_t ns)
     nanosleep(&ts, NULL);
 }
 
+/* A thread that sleeps in short naps (the lock manager) wants them short: the
+ * default 50 us timer slack would stretch every 20 us sleep. */
+static inline void cxl_set_timerslack_1ns(void) { prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }
+
 static inline void cxl_plain_mutex_init(pthread_mutex_t *m) { pthread_mutex_init(m, NULL); }
 static inline void cxl_plain_mutex_lock(pthread_mutex_t *m) { pthread_mutex_lock(m); }
 static inline void cxl_plain_mutex_unlock(pthread_mutex_t *m) { pthread_mutex_unlock(m); }
@@ -45,6 +50,13 @@ static inline void cxl_plain_mutex_unlock(pthread_mutex_t *m) { pthread_mutex_un
  * silence: gap_end is stored before last_beat (release) and read after it (acquire). */
 static inline uint64_t cxl_atomic_load_acquire64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void cxl_atomic_store_release64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+/* Dekker-style publish: the store is globally visible before any later load of
+ * this thread (paired with the same sequence on the other side). */
+static inline void cxl_atomic_store_seqcst_fence64(uint64_t *p, uint64_t v)
+{
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
 static inline int cxl_atomic_load_acquire_int(const int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void cxl_atomic_store_release_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 

@@ -20,7 +20,11 @@ if [ ! -f "$APT/apt.conf" ]; then
     mirror=$( { grep -rhE '^URIs:' /etc/apt/sources.list.d/ 2>/dev/null | awk '{print $2}';
                 grep -rhoE '^deb +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null | awk '{print $2}'; } \
               | grep -E '/debian/?$' | grep -vE 'security|snapshot' | head -n1 || true)
-    mirror=${mirror:-http://deb.debian.org/debian}
+    if [ -z "$mirror" ]; then
+        echo "lab setup: no Debian mirror in this machine's apt configuration" \
+             "(/etc/apt/sources.list, /etc/apt/sources.list.d/): add one, then run this again" >&2
+        exit 1
+    fi
     cat > "$APT/sources.list" <<SRC
 deb $mirror bookworm main
 deb $mirror bookworm-updates main

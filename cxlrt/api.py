@@ -238,7 +238,8 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
     return inspect(str(s))
 
 
-_NODE = Format("cxl_node_area", "beat", "beat_wall_ns")  # liveness: line 0 of a node area
+_NODE = Format("cxl_node_area", "beat", "state", "incarnation", "host_id", "boot_id", "pid",
+               "attaches", "beat_wall_ns")  # line 0: liveness
 _NODE_STATES = {CONSTANTS["CXL_NODE_NEVER"]: "never attached",
                 CONSTANTS["CXL_NODE_ATTACHED"]: "attached",
                 CONSTANTS["CXL_NODE_DETACHED"]: "detached"}

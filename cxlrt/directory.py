@@ -54,9 +54,9 @@ from cxlrt.lock import LeaseLost
 ENTRIES = layoutinfo.CONSTANTS["CXL_DIR_ENTRIES"]
 ENTRY = layoutinfo.size("cxl_dir_entry")
 NAME_BYTES = layoutinfo.field("cxl_dir_entry", "name").width
-_LINE0 = Format("cxl_dir_entry", "state", "redo_seal")
-_BODY = Format("cxl_dir_entry", "state", "name_len")
-_REDO = Format("cxl_dir_entry", "redo", "redo_seal")
+_BODY = Format("cxl_dir_entry", "state", "off", "name_len")
+_REDO = Format("cxl_dir_entry", "redo", "redo_off", "redo_tag", "redo_seal")
+_LINE0 = Format("cxl_dir_entry", *_BODY.names, "generation", *_REDO.names)
 _GEN = layoutinfo.offset("cxl_dir_entry", "generation")
 _NAME = layoutinfo.offset("cxl_dir_entry", "name")
 _MASK = (1 << 64) - 1

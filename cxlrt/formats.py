@@ -14,40 +14,42 @@ from cxlrt.layoutinfo import fields
 
 
 class Format:
-    """Members `first` .. `last` of a struct, back to back, as a little-endian struct.
+    """Some members of a struct, back to back, as a little-endian struct.
 
-    `unpack` returns a named tuple (an array or nested-struct member is a tuple of
-    its values, a char array is bytes), and `pack` takes the members by name, so a
-    reader follows a moved member. The members must be contiguous: a format never
-    skips bytes it was not asked to.
+    The members are named, not counted from a position: they are laid out in the
+    order and at the offset the struct gives them, `unpack` returns a named tuple
+    (an array or nested-struct member is a tuple of its values, a char array is
+    bytes) and `pack` takes the members by name, so a reader follows a moved
+    member. The members must be contiguous in the struct: a format never skips
+    bytes it was not asked for.
 
     Parameters
     ----------
     struct_name : str
         A name from :func:`cxlrt.layoutinfo.names`.
-    first, last : str, optional
-        The first and last member (default: the whole struct).
+    *members : str
+        The members to cover, in any order (default: the whole struct).
     """
 
-    def __init__(self, struct_name: str, first: str | None = None,
-                 last: str | None = None) -> None:
-        members = fields(struct_name)
-        order = [f.name for f in members]
-        lo = order.index(first) if first else 0
-        hi = order.index(last) if last else len(members) - 1
-        if hi < lo:
-            raise ValueError(f"{struct_name}: {last} comes before {first}")
-        run = members[lo:hi + 1]
+    def __init__(self, struct_name: str, *members: str) -> None:
+        every = fields(struct_name)
+        unknown = set(members) - {f.name for f in every}
+        if unknown:
+            raise KeyError(f"{struct_name} has no member(s) {sorted(unknown)}")
+        run = tuple(f for f in every if f.name in members) if members else every
+        for a, b in zip(run, run[1:], strict=False):
+            if a.offset + a.width != b.offset:
+                raise ValueError(f"{struct_name}: {b.name} does not follow {a.name} (bytes "
+                                 f"{a.offset + a.width}..{b.offset} would be skipped)")
         self.struct_name = struct_name
         self.members = run
+        self.names = tuple(f.name for f in run)
         self.offset = run[0].offset
         self.size = run[-1].offset + run[-1].width - self.offset
         self.struct = struct.Struct("<" + "".join(f.format for f in run))
-        if self.struct.size != self.size:
-            raise ValueError(f"{struct_name}: {first}..{last} is not contiguous")
         # What an all-zero member unpacks to: its arity, and its value when left out.
         self._zeros = [(f.name, struct.unpack("<" + f.format, bytes(f.width))) for f in run]
-        self._tuple = namedtuple(struct_name, [f.name for f in run])
+        self._tuple = namedtuple(struct_name, self.names)
         self._flat = all(len(z) == 1 for _, z in self._zeros)
 
     def unpack(self, raw: Any, at: int = 0) -> Any:

@@ -21,10 +21,11 @@ KIND = {SMALL: "small", LARGE: "large", TAIL: "tail"}
 SMALL_MAGIC = _C["CXL_SMALL_MAGIC"]
 RFREE_BYTES = layoutinfo.size("cxl_rfree_queue")
 _TABLE_WORD = 8  # a chunk-table word: uint64_t (layout.pxd)
-_SMALL = Format("cxl_small_header", "magic", "reserved0")
+_SMALL = Format("cxl_small_header", "magic", "size_class", "owner", "nslots", "data_start",
+                "reserved0")
 _BITMAP = layoutinfo.size("cxl_small_header")  # the slot bitmap follows the header line
 _LINK = Format("cxl_rfree_link")
-_QUEUE = Format("cxl_rfree_queue", "head", "seq")
+_QUEUE = Format("cxl_rfree_queue", "head", "count", "seq")
 _JWORD = layoutinfo.offset("cxl_rfree_queue", "jword")
 RFREE_PENDING = 0x52465245452D5051  # a queued object's mark ^ its offset (alloc.pyx)
 RFREE_APPLIED = 0x52465245452D4150  # an applied one's

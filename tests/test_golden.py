@@ -70,11 +70,17 @@ def test_superblock_and_info(image):
         "stores": blocks, "pins": 0}
 
 
+def _names():
+    return sorted([golden.SMALL[0], golden.LARGE[0], "kv/" + golden.KV_NAME,
+                   "chan/" + golden.CHAN_NAME])
+
+
 def test_check_is_clean(image):
     entry, spec = image
     report = check(spec)
     assert report["problems"] == []
     assert report["dead_nodes"] == []
+    assert sorted(report["directory"]) == _names()
     names = {lk["name"]: lk["mode"] for lk in report["locks"]}
     assert {n: names.get(n) for n in golden.LOCKS} == golden.LOCKS
     usage = report["usage"]
@@ -86,9 +92,7 @@ def test_check_is_clean(image):
 def test_directory_and_objects(image):
     _, spec = image
     with cxlrt.open(spec, node=0) as r:
-        assert sorted(r.names()) == sorted([golden.SMALL[0], golden.LARGE[0],
-                                            "kv/" + golden.KV_NAME,
-                                            "chan/" + golden.CHAN_NAME])
+        assert sorted(r.names()) == _names()
         for name, nbytes, seed in (golden.SMALL, golden.LARGE):
             assert r.dma_read(r.get(name), nbytes) == golden.pattern(nbytes, seed), name
 

@@ -107,6 +107,22 @@ def _backoff(attempt: int) -> None:
         time.sleep(1e-6 * (1 << min(attempt - 3, 10)))
 
 
+def dma_items(region, base: int) -> list[tuple[str, int]]:
+    """(name, offset) of every settled used entry, read by DMA without attaching.
+
+    For ``cxlrt info``, which reads a region it has not joined: no lock, no cached
+    view, and an entry that is mid-change is left out rather than waited for.
+    """
+    out = []
+    for i in range(ENTRIES):
+        raw = region.dma_read(base + i * ENTRY, ENTRY)
+        w = _LINE0.unpack(raw, _LINE0.offset)
+        if w.state != 1 or w.generation & 1 or not 1 <= w.name_len <= NAME_BYTES:
+            continue
+        out.append((raw[_NAME:_NAME + w.name_len].decode("utf-8", "replace"), w.off))
+    return out
+
+
 class Directory:
     def __init__(self, region):
         self.region = region

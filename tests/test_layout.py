@@ -125,6 +125,14 @@ def _read(r, name, at, *members):
     return f.unpack(r.dma_read(at + f.offset, f.size))
 
 
+def test_directory_dma_items_match_the_directory(region):
+    region.put("layout/a", region.heap[0])
+    region.put("layout/b", region.heap[0] + 64)
+    region.delete("layout/a")
+    items = directory.dma_items(region, region.sections["directory"][0])
+    assert items == region.directory.items() == [("layout/b", region.heap[0] + 64)]
+
+
 def test_superblock_struct(region):
     s = _read(region, "cxl_superblock", 0)
     assert s.magic == sb.MAGIC and s.version == sb.VERSION

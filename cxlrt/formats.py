@@ -12,6 +12,8 @@ from typing import Any
 
 from cxlrt.layoutinfo import fields
 
+_named_tuple: Any = namedtuple  # a type made at run time: mypy cannot follow it
+
 
 class Format:
     """Some members of a struct, back to back, as a little-endian struct.
@@ -49,7 +51,7 @@ class Format:
         self.struct = struct.Struct("<" + "".join(f.format for f in run))
         # What an all-zero member unpacks to: its arity, and its value when left out.
         self._zeros = [(f.name, struct.unpack("<" + f.format, bytes(f.width))) for f in run]
-        self._tuple = namedtuple(struct_name, self.names)
+        self._tuple = _named_tuple(struct_name, self.names)
         self._flat = all(len(z) == 1 for _, z in self._zeros)
 
     def unpack(self, raw: Any, at: int = 0) -> Any:

@@ -12,6 +12,9 @@
 #   heap              chunks of CXL_CHUNK bytes, CXL_CHUNK-aligned
 # The magic is published last at format time, so a half-formatted region never
 # looks valid.
+# Python code reads these structs through cxlrt.layoutinfo (offsets and widths
+# from the compiler) and cxlrt.formats, never through copies of them; the golden
+# images in tests/golden/ pin the format: a change to it bumps CXL_LAYOUT_VERSION.
 from libc.stdint cimport uint32_t, uint64_t
 
 

@@ -51,6 +51,7 @@ MODULES = [
     ("cxlrt.shm", "cxlrt/shm.pyx"),
     ("cxlrt.backend", "cxlrt/backend.pyx"),
     ("cxlrt.superblock", "cxlrt/superblock.pyx"),
+    ("cxlrt.layoutinfo", "cxlrt/layoutinfo.pyx"),
     ("cxlrt.region", "cxlrt/region.pyx"),
     ("cxlrt.nodelocal", "cxlrt/nodelocal.pyx"),
     ("cxlrt.liveness", "cxlrt/liveness.pyx"),

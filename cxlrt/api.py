@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import stat
-import struct
 import time
 from typing import Any
 
 from cxlrt import registry
 from cxlrt import superblock as _sb
 from cxlrt.errors import NotARegionError, RegionError, RegionSizeError
+from cxlrt.formats import Format
+from cxlrt.layoutinfo import CONSTANTS
 from cxlrt.region import Region
 from cxlrt.spec import Spec, coerce_params, parse_size, parse_spec
 
@@ -237,8 +238,11 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
     return inspect(str(s))
 
 
-_NODE = struct.Struct("<8Q")  # line 0 of a node area (layout.pxd cxl_node_area)
-_NODE_STATES = {0: "never attached", 1: "attached", 2: "detached"}
+_NODE = Format("cxl_node_area", "beat", "state", "incarnation", "host_id", "boot_id", "pid",
+               "attaches", "beat_wall_ns")  # line 0: liveness
+_NODE_STATES = {CONSTANTS["CXL_NODE_NEVER"]: "never attached",
+                CONSTANTS["CXL_NODE_ATTACHED"]: "attached",
+                CONSTANTS["CXL_NODE_DETACHED"]: "detached"}
 
 
 def _placement(cls, path, params, size, upto):
@@ -262,12 +266,12 @@ def inspect(spec: str) -> dict[str, Any]:
         now = time.time_ns()
         info["node_areas"] = []
         for n in range(info["nodes"]):
-            beat, state, inc, host, _, pid, attaches, wall = _NODE.unpack(
-                region.dma_read(base + n * _sb.NODE_AREA, _NODE.size))
+            a = _NODE.unpack(region.dma_read(base + n * _sb.NODE_AREA + _NODE.offset, _NODE.size))
+            wall = a.beat_wall_ns
             info["node_areas"].append({
-                "node": n, "pid": pid, "attaches": attaches, "host_id": f"{host:016x}",
-                "state": _NODE_STATES.get(state, f"corrupt ({state})"), "beat": beat,
-                "incarnation": inc,
+                "node": n, "pid": a.pid, "attaches": a.attaches, "host_id": f"{a.host_id:016x}",
+                "state": _NODE_STATES.get(a.state, f"corrupt ({a.state})"), "beat": a.beat,
+                "incarnation": a.incarnation,
                 # Wall-clock age of the last beat, for people: liveness never uses it.
                 "heartbeat_age_s": None if not wall else round((now - wall) / 1e9, 3)})
         from cxlrt.kvcache import describe

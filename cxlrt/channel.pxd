@@ -9,7 +9,7 @@
 #   lines 3+R .. 3+2R-1 consumer run lines
 #   ring                `slots` slots of `slot_bytes`: length (8), message number (8),
 #                       payload, rounded up to whole lines; message t is in slot t % slots
-# with R = CXL_CHAN_RUNS.
+# with R = CXL_CHAN_RUNS. The line structs are declared in layout.pxd.
 #
 # Roles, claims and runs (issue 9):
 #  - A claim line holds who owns the role (node, incarnation, pid, start time, pid
@@ -51,6 +51,7 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
+from cxlrt.layout cimport cxl_chan_claim, cxl_chan_header, cxl_chan_run
 from cxlrt.liveness cimport cxl_live
 from cxlrt.region cimport Region
 
@@ -77,38 +78,6 @@ cdef enum:
 
 cdef enum:
     CXL_CHAN_RUN_HOLE = 1       # run flag: the message number at base is a hole
-
-
-ctypedef struct cxl_chan_header:
-    uint64_t magic              # CXL_CHAN_MAGIC once the object is complete, else 0
-    uint64_t version            # CXL_CHAN_VERSION
-    uint64_t slots              # ring slots, 1 .. CXL_CHAN_MAX_SLOTS
-    uint64_t msg_bytes          # largest message, 1 .. CXL_CHAN_MAX_MSG
-    uint64_t slot_bytes         # (16 + msg_bytes) rounded up to 64
-    uint64_t ring               # ring offset from the object start (CXL_CHAN_HEADER)
-    uint64_t runs               # run lines per role (CXL_CHAN_RUNS)
-    uint64_t created_ns         # wall clock at creation (informational)
-
-
-ctypedef struct cxl_chan_claim:
-    uint64_t epoch              # fencing token: bumped by every takeover (written last)
-    uint64_t run                # the owner's run (its counter is on line run % R)
-    uint64_t src                # the run `run` continued from (== run for run 0)
-    uint64_t owner              # (node + 1) | pid << 32; 0 = no owner
-    uint64_t incarnation        # the owner's node life
-    uint64_t start              # the owner's process start time (clock ticks after boot)
-    uint64_t pidns              # the owner's pid namespace (inode)
-    uint64_t boot               # the owner's boot id, folded to 64 bits
-
-
-ctypedef struct cxl_chan_run:
-    uint64_t seq                # tail (producer) or head (consumer) of this run
-    uint64_t run                # the run this line holds (written last: the line's key)
-    uint64_t base               # seq when the run began; the end of its source run
-    uint64_t src                # the run it continued from
-    uint64_t flags              # CXL_CHAN_RUN_*
-    uint64_t epoch              # the epoch that started the run (informational)
-    uint64_t reserved[2]
 
 
 ctypedef struct cxl_chan:

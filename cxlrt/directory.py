@@ -43,20 +43,22 @@ change.
 
 from __future__ import annotations
 
-import struct
 import time
 
+from cxlrt import layoutinfo
 from cxlrt.crash import point
 from cxlrt.errors import RegionError
+from cxlrt.formats import Format
 from cxlrt.lock import LeaseLost
 
-ENTRIES = 128
-ENTRY = 128
-NAME_BYTES = 64
-_LINE0 = struct.Struct("<8Q")  # state, off, name_len, generation, redo, redo off, tag, seal
-_BODY = struct.Struct("<3Q")   # state, off, name_len
-_REDO = struct.Struct("<4Q")   # redo, redo off, tag, seal
-_GEN, _REDO_AT = 24, 32        # byte offsets in line 0
+ENTRIES = layoutinfo.CONSTANTS["CXL_DIR_ENTRIES"]
+ENTRY = layoutinfo.size("cxl_dir_entry")
+NAME_BYTES = layoutinfo.field("cxl_dir_entry", "name").width
+_BODY = Format("cxl_dir_entry", "state", "off", "name_len")
+_REDO = Format("cxl_dir_entry", "redo", "redo_off", "redo_tag", "redo_seal")
+_LINE0 = Format("cxl_dir_entry", *_BODY.names, "generation", *_REDO.names)
+_GEN = layoutinfo.offset("cxl_dir_entry", "generation")
+_NAME = layoutinfo.offset("cxl_dir_entry", "name")
 _MASK = (1 << 64) - 1
 _PATIENCE_S = 2.0  # a reader gives up on an entry whose generation keeps moving this long
 
@@ -88,8 +90,8 @@ def _seal(redo: int, off: int, tag: int) -> int:
 
 def _redo(w) -> tuple[int, int, int, int] | None:
     """(state, off, name_len, writer node) of a sealed redo record for w's odd generation."""
-    redo, off, tag, seal = w[4:8]
-    if not w[3] & 1 or tag != w[3] or seal != _seal(redo, off, tag):
+    redo, off, tag = w.redo, w.redo_off, w.redo_tag
+    if not w.generation & 1 or tag != w.generation or w.redo_seal != _seal(redo, off, tag):
         return None
     return redo & 0xFF, off, (redo >> 8) & 0xFF, ((redo >> 16) & 0xFFFF) - 1
 
@@ -103,6 +105,22 @@ def _backoff(attempt: int) -> None:
     """Spin three times, then sleep 1 µs, doubling up to about 1 ms."""
     if attempt >= 3:
         time.sleep(1e-6 * (1 << min(attempt - 3, 10)))
+
+
+def dma_items(region, base: int) -> list[tuple[str, int]]:
+    """(name, offset) of every settled used entry, read by DMA without attaching.
+
+    For ``cxlrt info``, which reads a region it has not joined: no lock, no cached
+    view, and an entry that is mid-change is left out rather than waited for.
+    """
+    out = []
+    for i in range(ENTRIES):
+        raw = region.dma_read(base + i * ENTRY, ENTRY)
+        w = _LINE0.unpack(raw, _LINE0.offset)
+        if w.state != 1 or w.generation & 1 or not 1 <= w.name_len <= NAME_BYTES:
+            continue
+        out.append((raw[_NAME:_NAME + w.name_len].decode("utf-8", "replace"), w.off))
+    return out
 
 
 class Directory:
@@ -124,15 +142,16 @@ class Directory:
         attempt = 0
         while True:
             r.flush(at, ENTRY)  # observe: drop our copies of both lines, then load
-            w = _LINE0.unpack(r.load(at, 64))
-            line1 = r.load(at + 64, 64)
-            r.flush(at, 64)  # and the generation afresh: unchanged = line 1 was stable
-            if r.load64(at + _GEN) == w[3]:
+            w = _LINE0.unpack(r.load(at + _LINE0.offset, _LINE0.size))
+            line1 = r.load(at + _NAME, NAME_BYTES)
+            r.flush(at + _GEN, 8)  # and the generation afresh: unchanged = the name was stable
+            if r.load64(at + _GEN) == w.generation:
                 return w, line1
             if t_end is None:
                 t_end = time.monotonic() + _PATIENCE_S
             elif time.monotonic() > t_end:
-                raise RegionError(f"directory entry {i} keeps changing (generation {w[3]}); "
+                raise RegionError(f"directory entry {i} keeps changing (generation "
+                                  f"{w.generation}); "
                                   "is a writer looping on it?")
             _backoff(attempt)
             attempt += 1
@@ -140,7 +159,7 @@ class Directory:
     @staticmethod
     def _view(i, w, line1):
         """(state, off, name) of entry i as readers see it; RegionError if it is damaged."""
-        state, off, n, gen = w[:4]
+        state, off, n, gen = w.state, w.off, w.name_len, w.generation
         if gen & 1:
             redo = _redo(w)
             if redo is None:
@@ -160,7 +179,7 @@ class Directory:
     def _label(w, line1) -> str:
         """The name an entry holds or is getting, for messages (whatever its state)."""
         redo = _redo(w)
-        n = min(NAME_BYTES, max(w[2], redo[2] if redo else 0))
+        n = min(NAME_BYTES, max(w.name_len, redo[2] if redo else 0))
         return line1[:n].rstrip(b"\0").decode("utf-8", "replace")
 
     # --- writing (meta lock held) ----------------------------------------------------
@@ -168,7 +187,7 @@ class Directory:
     def _fence(self, at, i, gen):
         """Stop a writer whose entry someone else moved past `gen` (it lost its lock)."""
         r = self.region
-        r.flush(at, 64)  # observe: once our lease ran out, a repairer may have written it
+        r.flush(at + _GEN, 8)  # observe: once our lease ran out, a repairer may have written it
         now = r.load64(at + _GEN)
         if now != gen:
             raise LeaseLost(f"directory entry {i}: generation {now}, not {gen}; someone "
@@ -180,32 +199,33 @@ class Directory:
         r = self.region
         at = self.base + i * ENTRY
         self._fence(at, i, gen)
-        r.store(at, _BODY.pack(state, off, n))
-        r.persist(at, 64)  # body durable before the even generation that vouches for it
+        r.store(at + _BODY.offset, _BODY.pack(state=state, off=off, name_len=n))
+        r.persist(at + _BODY.offset, _BODY.size)  # durable before the even generation vouches
         point(step)
         self._fence(at, i, gen)
         r.store64(at + _GEN, gen + 1)
-        r.persist(at, 64)  # publish: readers now read the body, not the redo record
+        r.persist(at + _GEN, 8)  # publish: readers now read the body, not the redo record
 
     def _change(self, i, w, state, off, raw, op):
         """Steps 1-5 of a put (`raw` = the name) or delete (`raw` None) of entry i."""
         r = self.region
         at = self.base + i * ENTRY
-        gen = w[3]
-        if raw is not None and w[0] != 1:  # a new name into a free entry
+        gen = w.generation
+        if raw is not None and w.state != 1:  # a new name into a free entry
             self._fence(at, i, gen)
-            r.store(at + 64, raw.ljust(NAME_BYTES, b"\0"))
-            r.persist(at + 64, 64)  # the name is in place before any record points at it
+            r.store(at + _NAME, raw.ljust(NAME_BYTES, b"\0"))
+            r.persist(at + _NAME, NAME_BYTES)  # in place before any record points at it
             point("dir.put.name")
-        n = len(raw) if raw is not None else w[2]  # a delete keeps the name, for messages
+        n = len(raw) if raw is not None else w.name_len  # a delete keeps the name, for messages
         redo = state | n << 8 | (self.region.node + 1) << 16
         self._fence(at, i, gen)
-        r.store(at + _REDO_AT, _REDO.pack(redo, off, gen + 1, _seal(redo, off, gen + 1)))
-        r.persist(at, 64)  # the whole new value is durable before the change is decided
+        r.store(at + _REDO.offset, _REDO.pack(redo=redo, redo_off=off, redo_tag=gen + 1,
+                                              redo_seal=_seal(redo, off, gen + 1)))
+        r.persist(at + _REDO.offset, _REDO.size)  # the new value is durable before it is decided
         point(f"dir.{op}.redo")
         self._fence(at, i, gen)
         r.store64(at + _GEN, gen + 1)
-        r.persist(at, 64)  # decided: from here every reader returns the new value
+        r.persist(at + _GEN, 8)  # decided: from here every reader returns the new value
         point(f"dir.{op}.odd")
         self._apply(i, gen + 1, state, off, n, f"dir.{op}.body")
 
@@ -218,7 +238,7 @@ class Directory:
         body when that names a valid object and frees the entry otherwise.
         """
         w, line1 = self._read(i)
-        if not w[3] & 1:
+        if not w.generation & 1:
             return w, line1, None
         label = self._label(w, line1)
         redo = _redo(w)
@@ -227,14 +247,14 @@ class Directory:
             action = (f"directory entry {i} ({label!r}): finished the change that a writer "
                       f"of node {node} left halfway")
         elif salvage:
-            state, off, n = w[:3]
+            state, off, n = w.state, w.off, w.name_len
             if state != 1 or not 1 <= n <= NAME_BYTES or not 0 < off < self.region.size:
                 state, off, n = 0, 0, 0
             action = (f"directory entry {i} ({label!r}) was mid-change without a redo record: "
                       + ("kept its old body" if state else "freed it (its body is not valid)"))
         else:
-            raise _no_redo(i, w[3])
-        self._apply(i, w[3], state, off, n, "dir.repair.body")
+            raise _no_redo(i, w.generation)
+        self._apply(i, w.generation, state, off, n, "dir.repair.body")
         w, line1 = self._read(i)
         return w, line1, action
 
@@ -316,7 +336,7 @@ class Directory:
                 w, line1 = self._read(i)
                 t_end = time.monotonic() + patience_s
                 attempt = 0
-                while w[3] & 1 and time.monotonic() < t_end:
+                while w.generation & 1 and time.monotonic() < t_end:
                     _backoff(attempt + 3)
                     attempt += 1
                     w, line1 = self._read(i)
@@ -324,7 +344,7 @@ class Directory:
             except RegionError as e:
                 problems.append(f"directory: {e}")
                 continue
-            if w[3] & 1:
+            if w.generation & 1:
                 node = _redo(w)[3]
                 problems.append(
                     f"directory entry {i} ({self._label(w, line1)!r}) is mid-change: a writer of "

@@ -78,6 +78,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cxlrt import layoutinfo as _layout
+
 NODES = 3
 EXTRA_CHUNKS = 6          # heap chunks beyond the minimum region's, for the seed's objects
 # The seed's nodes are dead (silent past the lease) when fuzzing starts. Short, so that
@@ -169,7 +171,7 @@ def _build_seed(path: str, mode: str) -> None:
                   for i in range(64) if read_header(r, i) is not None],
         "dir": {name: r.get(name) for name in r.names()},
         "alloc": {"table": alloc_off, "nchunks": nchunks,
-                  "rfree": alloc_off + (nchunks * 8 + 4095) // 4096 * 4096, "words": table,
+                  "rfree": alloc_off + sb.rfree_offset(nchunks), "words": table,
                   "small": [heap_off + k * sb.CHUNK for k, w in enumerate(table) if w >> 62 == 1]},
         "kv": {"off": kv.offset, "slots": kv.slots, "entries": kv.slot_offset(0),
                "used": [kv.slot_offset(s) for s in entries],
@@ -332,6 +334,13 @@ def _targets(m: dict) -> dict[str, list[tuple[str, int, int]]]:
 #   ["len", n]                        truncate or extend the image to n bytes
 
 _FNV_OFF, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
+# Where the check words are that a "fix" recomputes (the checksum covers what precedes it).
+_SB_SUM = _layout.offset("cxl_superblock", "checksum")
+_KV_SUM = _layout.offset("kv_header", "layout") + _layout.offset("kv_layout", "checksum")
+_KV_ENTRY = _layout.size("kv_entry")
+_KV_CHECK = _layout.offset("kv_entry", "check")
+_DIR_ENTRY = _layout.size("cxl_dir_entry")
+_DIR_GEN = _layout.offset("cxl_dir_entry", "generation")
 
 
 def _fnv(b: bytes) -> int:
@@ -373,16 +382,18 @@ def apply(image: bytes, muts: list) -> bytearray:
 
 
 def _fix(img: bytearray, kind: str, off: int) -> None:
-    if kind == "sb" and len(img) >= 192:
-        img[184:192] = _fnv(bytes(img[:184])).to_bytes(8, "little")
-    elif kind == "kvhdr" and 0 <= off <= len(img) - 128:
-        img[off + 120:off + 128] = _fnv(bytes(img[off:off + 120])).to_bytes(8, "little")
-    elif kind == "kventry" and 0 <= off <= len(img) - 64:
-        w = struct.unpack_from("<7Q", img, off)
-        img[off + 56:off + 64] = (_kv_mix(w) if any(w) else 0).to_bytes(8, "little")
-    elif kind == "dirgen" and 0 <= off <= len(img) - 32:
-        gen = struct.unpack_from("<Q", img, off + 24)[0]
-        struct.pack_into("<Q", img, off + 24, gen & ~1)
+    if kind == "sb" and len(img) >= _SB_SUM + 8:
+        img[_SB_SUM:_SB_SUM + 8] = _fnv(bytes(img[:_SB_SUM])).to_bytes(8, "little")
+    elif kind == "kvhdr" and 0 <= off <= len(img) - _KV_SUM - 8:
+        at = off + _KV_SUM
+        img[at:at + 8] = _fnv(bytes(img[off:at])).to_bytes(8, "little")
+    elif kind == "kventry" and 0 <= off <= len(img) - _KV_ENTRY:
+        w = struct.unpack_from(f"<{_KV_CHECK // 8}Q", img, off)
+        at = off + _KV_CHECK
+        img[at:at + 8] = (_kv_mix(w) if any(w) else 0).to_bytes(8, "little")
+    elif kind == "dirgen" and 0 <= off <= len(img) - _DIR_GEN - 8:
+        gen = struct.unpack_from("<Q", img, off + _DIR_GEN)[0]
+        struct.pack_into("<Q", img, off + _DIR_GEN, gen & ~1)
 
 
 def _label(m: list) -> str:
@@ -461,12 +472,13 @@ def new_mutations(rng: random.Random, seed: Seed, count: int) -> list:
             # Mostly with a valid check word: without one, every reader of the slot
             # retries for ~50 ms and then raises, which a few images show well enough.
             if rng.random() < 0.85:
-                muts.append(["fix", "kventry", off // 64 * 64])
+                muts.append(["fix", "kventry", off // _KV_ENTRY * _KV_ENTRY])
         elif group in _FIXUPS:
             kind, p = _FIXUPS[group]
             if rng.random() < p:
                 base = {"sb": 0, "kvhdr": seed.meta["kv"]["off"],
-                        "dirgen": off - (off - seed.meta["sections"]["directory"][0]) % 128}[kind]
+                        "dirgen": off - (off - seed.meta["sections"]["directory"][0])
+                        % _DIR_ENTRY}[kind]
                 muts.append(["fix", kind, base])
     return muts
 

@@ -9,12 +9,24 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from cxlrt import layoutinfo
 from cxlrt.alloc import class_geometry, table_word
+from cxlrt.formats import Format
+from cxlrt.superblock import rfree_offset
 
-CHUNK = 65536
-KIND = {1: "small", 2: "large", 3: "tail"}
-SMALL_MAGIC = 0x534D4C43
-RFREE_BYTES = 4096
+_C = layoutinfo.CONSTANTS
+CHUNK = _C["CXL_CHUNK"]
+SMALL, LARGE, TAIL = _C["CXL_CK_SMALL"], _C["CXL_CK_LARGE"], _C["CXL_CK_TAIL"]
+KIND = {SMALL: "small", LARGE: "large", TAIL: "tail"}
+SMALL_MAGIC = _C["CXL_SMALL_MAGIC"]
+RFREE_BYTES = layoutinfo.size("cxl_rfree_queue")
+_TABLE_WORD = 8  # a chunk-table word: uint64_t (layout.pxd)
+_SMALL = Format("cxl_small_header", "magic", "size_class", "owner", "nslots", "data_start",
+                "reserved0")
+_BITMAP = layoutinfo.size("cxl_small_header")  # the slot bitmap follows the header line
+_LINK = Format("cxl_rfree_link")
+_QUEUE = Format("cxl_rfree_queue", "head", "count", "seq")
+_JWORD = layoutinfo.offset("cxl_rfree_queue", "jword")
 RFREE_PENDING = 0x52465245452D5051  # a queued object's mark ^ its offset (alloc.pyx)
 RFREE_APPLIED = 0x52465245452D4150  # an applied one's
 OFF_MASK = (1 << 48) - 1
@@ -61,8 +73,8 @@ def _table(region):
     alloc_off, _ = region.sections["alloc"]
     heap_off, heap_len = region.sections["heap"]
     n = heap_len // CHUNK
-    region.flush(alloc_off, n * 8)
-    raw = region.load(alloc_off, n * 8)
+    region.flush(alloc_off, n * _TABLE_WORD)
+    raw = region.load(alloc_off, n * _TABLE_WORD)
     return alloc_off, heap_off, n, struct.unpack(f"<{n}Q", raw)
 
 
@@ -86,12 +98,13 @@ def scan(region) -> HeapScan:
             s.problems.append(f"{where}: owner node {owner} does not exist")
             k += 1
             continue
-        if kind == 2:  # large head
+        if kind == LARGE:
             if low == 0 or k + low > n:
                 s.problems.append(f"{where}: large run of {low} chunks overruns the heap")
                 k += 1
                 continue
-            tails_ok = all(words[k + i] == ((3 << 62) | (owner << 48) | k) for i in range(1, low))
+            tail = (TAIL << 62) | (owner << 48) | k
+            tails_ok = all(words[k + i] == tail for i in range(1, low))
             if not tails_ok:
                 s.problems.append(f"{where}: large run of {low} chunks has broken tail words")
             s.large_chunks += low
@@ -102,30 +115,29 @@ def scan(region) -> HeapScan:
             s.live_ranges.append((heap_off + k * CHUNK, heap_off + (k + low) * CHUNK))
             k += low
             continue
-        if kind == 3:
+        if kind == TAIL:
             s.problems.append(f"{where}: tail word without its large head")
             k += 1
             continue
-        if kind != 1 or low >= len(geo):
+        if kind != SMALL or low >= len(geo):
             s.problems.append(f"{where}: table word {w:#018x} is not valid")
             k += 1
             continue
         size, nslots, start = geo[low]
         base = heap_off + k * CHUNK
         words_n = (nslots + 63) // 64
-        region.flush(base, 64 + words_n * 8)
-        hdr = region.load(base, 24)
-        magic, cls, owner_slots, data_start = struct.unpack_from("<IIQQ", hdr)
+        region.flush(base, _BITMAP + words_n * 8)
+        h = _SMALL.unpack(region.load(base + _SMALL.offset, _SMALL.size))
         s.small_chunks += 1
         node_stats[owner]["small_chunks"] += 1
-        if magic != SMALL_MAGIC:
+        if h.magic != SMALL_MAGIC:
             s.uncarved_small.append((k, owner))
             k += 1
             continue
-        if cls != size or (owner_slots & 0xFFFFFFFF) != owner or owner_slots >> 32 != nslots \
-                or data_start != start:
+        if (h.size_class, h.owner, h.nslots, h.data_start, h.reserved0) != \
+                (size, owner, nslots, start, 0):
             s.problems.append(f"{where}: small-chunk header disagrees with the table")
-        bitmap = struct.unpack(f"<{words_n}Q", region.load(base + 64, words_n * 8))
+        bitmap = struct.unpack(f"<{words_n}Q", region.load(base + _BITMAP, words_n * 8))
         live = sum(bin(x).count("1") for x in bitmap)
         extra = nslots % 64
         if extra and bitmap[-1] >> extra:
@@ -138,7 +150,7 @@ def scan(region) -> HeapScan:
         s.live_ranges.append((base, base + CHUNK))
         k += 1
     s.by_node = node_stats
-    rfree = alloc_off + (n * 8 + 4095) // 4096 * 4096
+    rfree = alloc_off + rfree_offset(n)
     for node in range(region.nodes):
         _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)
     return s
@@ -162,22 +174,22 @@ def _walk(region, problems, node, first, heap_off, nchunks, batch, what) -> list
             problems.append(f"{where}: not an object in the heap")
             break
         seen.add(x)
-        region.flush(x, 64)
-        nxt, mark, tag = struct.unpack("<3Q", region.load(x, 24))
-        if mark == RFREE_PENDING ^ x:
+        region.flush(x, _LINK.size)
+        link = _LINK.unpack(region.load(x, _LINK.size))
+        if link.mark == RFREE_PENDING ^ x:
             out.append(x)
-        elif batch is None or mark != RFREE_APPLIED ^ x or tag != batch:
+        elif batch is None or link.mark != RFREE_APPLIED ^ x or link.batch != batch:
             problems.append(f"{where}: the object does not carry the list's mark")
             break
-        x = nxt
+        x = link.next
     return out
 
 
 def _queue_lines(region, q) -> tuple[int, int, int]:
     """(head, seq, jword) of a remote-free queue, observed."""
-    region.flush(q, 128)
-    head, _count, seq = struct.unpack("<3Q", region.load(q, 24))
-    return head, seq, region.load64(q + 64)
+    region.flush(q, _JWORD + 8)
+    line = _QUEUE.unpack(region.load(q + _QUEUE.offset, _QUEUE.size))
+    return line.head, line.seq, region.load64(q + _JWORD)
 
 
 def _scan_queue(region, s, node, q, heap_off, nchunks) -> None:

@@ -12,6 +12,9 @@
 #   heap              chunks of CXL_CHUNK bytes, CXL_CHUNK-aligned
 # The magic is published last at format time, so a half-formatted region never
 # looks valid.
+# Python code reads these structs through cxlrt.layoutinfo (offsets and widths
+# from the compiler) and cxlrt.formats, never through copies of them; the golden
+# images in tests/golden/ pin the format: a change to it bumps CXL_LAYOUT_VERSION.
 from libc.stdint cimport uint32_t, uint64_t
 
 
@@ -167,3 +170,95 @@ ctypedef struct cxl_rfree_queue:
     uint64_t jcount           # objects in that batch (a hint)
     uint64_t reserved1[6]
     uint64_t reserved[496]    # pads the queue to 4096 bytes
+
+
+ctypedef struct cxl_rfree_link:
+    # The first words of an object on a remote-free list; the rest of its line keeps
+    # the object's old bytes.
+    uint64_t next             # the next object of the list, 0 = end
+    uint64_t mark             # RFREE_PENDING ^ offset while queued, then RFREE_APPLIED ^ offset
+    uint64_t batch            # once applied: the owner's journal seq (alloc.pyx)
+
+
+# --- KV cache object (the object map and its invariants are in kvcache.pxd) -------
+# XXX(#11): kvcache.pyx still writes these lines by byte offset; the structs are
+# what Python readers and layout tests read them with.
+
+ctypedef struct kv_geometry:  # line 0, immutable
+    uint64_t magic            # "CXLKVC01" once the object is complete
+    uint32_t version          # the object's format (kvcache.pyx VERSION)
+    uint32_t key_bytes        # KV_KEY_BYTES
+    uint64_t slots            # entries of the hash table, a power of two
+    uint64_t capacity         # blocks the cache holds at most
+    uint64_t block_bytes      # KV bytes of one block
+    uint32_t block_tokens
+    uint32_t algorithm        # cxlrt.hashing.ALGORITHMS
+    char salt_digest[16]      # digest of the salt (model, dtype, layout, tenant)
+
+
+ctypedef struct kv_layout:    # line 1, immutable
+    uint64_t nodes
+    uint64_t entries          # region offset of the entry lines
+    uint64_t pins             # region offset of node 0's pin words
+    uint64_t stats            # region offset of node 0's stats line
+    uint64_t created_ns       # wall clock at creation (informational)
+    uint64_t total            # bytes of the whole object
+    uint64_t claims           # region offset of the claim lines (records follow)
+    uint64_t checksum         # FNV-1a 64 of line 0 and the words above
+
+
+ctypedef struct kv_counters:  # line 2, written under the cache lock
+    uint64_t occupancy        # blocks held
+    uint64_t payload_bytes
+    uint64_t records          # high-water mark of the record table
+    uint64_t reserved[5]
+
+
+ctypedef struct kv_header:
+    kv_geometry geometry
+    kv_layout layout
+    kv_counters counters
+
+
+ctypedef struct kv_payload_header:  # ahead of a block's bytes, written only by its writer
+    uint64_t magic            # "CXLKVB02"
+    uint64_t key[2]           # the block's chained key
+    uint64_t generation       # the slot generation it was stored under
+    uint64_t block_bytes
+    uint64_t cache            # region offset of the cache object
+    uint64_t progress         # the writer's progress word (KV_PROGRESS)
+    uint64_t writer           # node | pid << 16
+
+
+# --- channel object (the object map and its protocol are in channel.pxd) --------
+
+ctypedef struct cxl_chan_header:
+    uint64_t magic              # CXL_CHAN_MAGIC once the object is complete, else 0
+    uint64_t version            # CXL_CHAN_VERSION
+    uint64_t slots              # ring slots, 1 .. CXL_CHAN_MAX_SLOTS
+    uint64_t msg_bytes          # largest message, 1 .. CXL_CHAN_MAX_MSG
+    uint64_t slot_bytes         # (16 + msg_bytes) rounded up to 64
+    uint64_t ring               # ring offset from the object start (CXL_CHAN_HEADER)
+    uint64_t runs               # run lines per role (CXL_CHAN_RUNS)
+    uint64_t created_ns         # wall clock at creation (informational)
+
+
+ctypedef struct cxl_chan_claim:
+    uint64_t epoch              # fencing token: bumped by every takeover (written last)
+    uint64_t run                # the owner's run (its counter is on line run % R)
+    uint64_t src                # the run `run` continued from (== run for run 0)
+    uint64_t owner              # (node + 1) | pid << 32; 0 = no owner
+    uint64_t incarnation        # the owner's node life
+    uint64_t start              # the owner's process start time (clock ticks after boot)
+    uint64_t pidns              # the owner's pid namespace (inode)
+    uint64_t boot               # the owner's boot id, folded to 64 bits
+
+
+ctypedef struct cxl_chan_run:
+    uint64_t seq                # tail (producer) or head (consumer) of this run
+    uint64_t run                # the run this line holds (written last: the line's key)
+    uint64_t base               # seq when the run began; the end of its source run
+    uint64_t src                # the run it continued from
+    uint64_t flags              # CXL_CHAN_RUN_*
+    uint64_t epoch              # the epoch that started the run (informational)
+    uint64_t reserved[2]

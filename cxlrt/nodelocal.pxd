@@ -20,6 +20,13 @@ cdef enum:
     CXL_LOCAL_PROCS = 124        # (4096 - 128) / 32 processes of one node at once
 
 
+ctypedef struct cxl_local_header:  # at 0: whose file this is
+    uint64_t magic            # "CXLLOCL2"
+    uint64_t uuid             # the region format it serves
+    uint32_t node
+    uint32_t max_locks        # CXL_MAX_LOCKS of the build that made it
+
+
 ctypedef struct cxl_local_proc:
     uint64_t pid              # 0 = free slot
     uint64_t start            # its start time (clock ticks after boot): pid reuse tells

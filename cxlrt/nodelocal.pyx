@@ -5,10 +5,10 @@ import contextlib
 import fcntl
 import glob
 import os
-import struct
 import tempfile
 
 from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
 
 from cxlrt.layout cimport CXL_MAX_LOCKS
 from cxlrt.mapping cimport Mapping
@@ -16,7 +16,6 @@ from cxlrt.mapping cimport Mapping
 from cxlrt.shm import init_robust_mutexes
 
 MAGIC = int.from_bytes(b"CXLLOCL2", "little")
-HEADER = struct.Struct("<QQII")  # magic, region uuid, node, max locks
 LOCKS_OFF = 4096
 HEAP_OFF = LOCKS_OFF + CXL_MAX_LOCKS * CXL_LOCAL_LOCK_BYTES
 TOTAL = HEAP_OFF + 4096
@@ -42,13 +41,21 @@ def local_path(unsigned long long uuid, int node):
 def _valid(path, uuid, node):
     try:
         with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
+            raw = f.read(sizeof(cxl_local_header))
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return False
-    if len(raw) < HEADER.size or size != TOTAL:
-        return False
-    return HEADER.unpack(raw) == (MAGIC, uuid, node, CXL_MAX_LOCKS)
+    return size == TOTAL and raw == _header(uuid, node)
+
+
+def _header(uint64_t uuid, int node):
+    """The bytes of the file header that (region format `uuid`, `node`) expects."""
+    cdef cxl_local_header h
+    h.magic = MAGIC
+    h.uuid = uuid
+    h.node = node
+    h.max_locks = CXL_MAX_LOCKS
+    return (<char*>&h)[:sizeof(h)]
 
 
 def _build(path, uuid, node):
@@ -59,11 +66,12 @@ def _build(path, uuid, node):
         os.ftruncate(fd, TOTAL)
     finally:
         os.close(fd)
-    m = Mapping(tmp, TOTAL)
+    cdef Mapping m = Mapping(tmp, TOTAL)
     try:
         init_robust_mutexes(m, LOCKS_OFF, CXL_MAX_LOCKS, CXL_LOCAL_LOCK_BYTES)
         init_robust_mutexes(m, HEAP_OFF, 1, 4096)
-        HEADER.pack_into(m, 0, MAGIC, uuid, node, CXL_MAX_LOCKS)
+        hdr = _header(uuid, node)
+        memcpy(m.base, <const char*>hdr, len(hdr))
     finally:
         m.close()
     return tmp

@@ -84,8 +84,13 @@ def _fixed(int nodes):
     return nodes_off, locks_off, locks_len, dir_off, alloc_off
 
 
+def rfree_offset(nchunks):
+    """Where node 0's remote-free queue starts in the alloc section: after the chunk table."""
+    return _align(nchunks * sizeof(uint64_t), PAGE)
+
+
 def _alloc_bytes(nchunks, int nodes):
-    return _align(nchunks * 8, PAGE) + nodes * RFREE_BYTES
+    return rfree_offset(nchunks) + nodes * RFREE_BYTES
 
 
 def min_size(int nodes):

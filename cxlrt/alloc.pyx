@@ -32,6 +32,7 @@ from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cx
                                     unlikely)
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
+from cxlrt.layout cimport CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
 from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService, cxl_lock_acquire,
@@ -42,10 +43,6 @@ from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CORRUPT, CXLRT_E_DOUBLEFREE,
 
 from cxlrt.errors import OutOfMemory, OutOfRangeError, RegionError
 
-cdef extern from "cxl_layout.h":
-    const uint64_t RFREE_PENDING "CXL_RFREE_PENDING"
-    const uint64_t RFREE_APPLIED "CXL_RFREE_APPLIED"
-    const uint64_t OFF_MASK "CXL_OFF_MASK"
 
 
 cdef enum:
@@ -542,7 +539,7 @@ cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexce
         return True
     if cxl_observe64(A.r, q + RQ_JWORD, &jw) != 0:
         return True  # cannot tell: refuse rather than link x into two lists
-    return _on_list(A, jw & OFF_MASK, x)
+    return _on_list(A, jw & CXL_OFF_MASK, x)
 
 
 cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
@@ -571,7 +568,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
     rc = _q_settle(A, q, t0, &head, &count, &seq, &jw)
     if rc == 0:
         rc = _link_read(A, off, &nxt, &mark, &batch)
-    if rc == 0 and mark == (RFREE_PENDING ^ off) and _queued(A, q, head, off):
+    if rc == 0 and mark == (CXL_RFREE_PENDING ^ off) and _queued(A, q, head, off):
         rc = CXLRT_E_DOUBLEFREE  # queued already: freed twice before the owner drained
     if rc == 0:
         # The object is ours (the freer's) until it is on the list: link it and publish
@@ -581,7 +578,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
         if rc == 0:
             rc = cxl_store64(A.r, off + LINK_BATCH, 0)
         if rc == 0:
-            rc = cxl_store64(A.r, off + LINK_MARK, RFREE_PENDING ^ off)
+            rc = cxl_store64(A.r, off + LINK_MARK, CXL_RFREE_PENDING ^ off)
         if rc == 0:
             rc = cxl_persist(A.r, off, 64)
     if rc == 0 and unlikely(_armed[0]):
@@ -603,7 +600,7 @@ cdef int _journal_pending(cxl_allocctx* A, bint* pending) noexcept nogil:
     cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
     if rc == 0:
         rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
-    pending[0] = (jw & OFF_MASK) != 0
+    pending[0] = (jw & CXL_OFF_MASK) != 0
     return rc
 
 
@@ -629,9 +626,9 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
     if rc == 0:
         rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
-    if rc != 0 or (jw & OFF_MASK) == 0:
+    if rc != 0 or (jw & CXL_OFF_MASK) == 0:
         return rc
-    x = jw & OFF_MASK
+    x = jw & CXL_OFF_MASK
     js = jw >> 48
     tortoise = x
     while x != 0 and n < A.max_objects:
@@ -640,17 +637,17 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
             rc = _link_read(A, x, &nxt, &mark, &batch)
         if rc != 0:
             break
-        if mark == (RFREE_PENDING ^ x):
+        if mark == (CXL_RFREE_PENDING ^ x):
             # The batch first, then the mark: a prefix of the two stores still reads
             # PENDING, which a replay applies again.
             rc = cxl_store64(A.r, x + LINK_BATCH, js)
             if rc == 0:
-                rc = cxl_store64(A.r, x + LINK_MARK, RFREE_APPLIED ^ x)
+                rc = cxl_store64(A.r, x + LINK_MARK, CXL_RFREE_APPLIED ^ x)
             if rc == 0:
                 rc = cxl_persist(A.r, x, 64)  # and drops our copy of the line
             if rc != 0:
                 break
-        elif mark != (RFREE_APPLIED ^ x) or batch != js:
+        elif mark != (CXL_RFREE_APPLIED ^ x) or batch != js:
             rc = 1  # not a list of this batch
             break
         rc = _clear_slot(A, k, c, slot, &left)
@@ -1052,7 +1049,7 @@ cdef class Allocator:
         self.A.nodes = region.nodes
         self.A.max_objects = self.A.nchunks * CLASS_SLOTS[0]
         self.A.ticks = 0
-        if self.A.heap_off + self.A.nchunks * CHUNK > OFF_MASK:
+        if self.A.heap_off + self.A.nchunks * CHUNK > CXL_OFF_MASK:
             raise RegionError(f"{region.spec}: a heap past 2**48 bytes does not fit the "
                               "remote-free journal's offsets")
         # Nothing is hooked into the heartbeat: a drain may wait for the allocator lock,

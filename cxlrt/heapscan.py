@@ -27,9 +27,9 @@ _BITMAP = layoutinfo.size("cxl_small_header")  # the slot bitmap follows the hea
 _LINK = Format("cxl_rfree_link")
 _QUEUE = Format("cxl_rfree_queue", "head", "count", "seq")
 _JWORD = layoutinfo.offset("cxl_rfree_queue", "jword")
-RFREE_PENDING = 0x52465245452D5051  # a queued object's mark ^ its offset (alloc.pyx)
-RFREE_APPLIED = 0x52465245452D4150  # an applied one's
-OFF_MASK = (1 << 48) - 1
+RFREE_PENDING = _C["CXL_RFREE_PENDING"]  # a queued object's mark ^ its offset
+RFREE_APPLIED = _C["CXL_RFREE_APPLIED"]  # an applied one's
+OFF_MASK = _C["CXL_OFF_MASK"]
 
 
 def footprint(nbytes: int) -> float:

@@ -2278,42 +2278,45 @@ def describe(region, uint64_t dir_off):
     cache whose header cannot be right is listed with an "error".
     """
     import struct
+    from cxlrt import layoutinfo
+    from cxlrt.directory import dma_items
+    from cxlrt.formats import Format
+    geometry, layout, counters = Format("kv_geometry"), Format("kv_layout"), Format("kv_counters")
+    at = {m.name: m.offset for m in layoutinfo.fields("kv_header")}
+    summed = at["layout"] + layoutinfo.offset("kv_layout", "checksum")
     out = []
-    for i in range(128):
-        raw = region.dma_read(dir_off + i * 128, 128)
-        state, off, n, gen = struct.unpack_from("<QQQQ", raw)
-        if state != 1 or gen & 1 or n > 64:
-            continue
-        name = raw[64:64 + n].decode("utf-8", "replace")
+    for name, off in dma_items(region, dir_off):
         if not name.startswith(DIR_PREFIX):
             continue
         item = {"name": name[len(DIR_PREFIX):], "offset": off}
         try:
             head = region.dma_read(off, KV_HEADER)
-            w = struct.unpack_from("<QIIQQQII", head)
-            lay = struct.unpack_from("<8Q", head, 64)
-            if w[0] != MAGIC or _fnv(head[:120]) != lay[7]:
+            g = geometry.unpack(head, at["geometry"])
+            lay = layout.unpack(head, at["layout"])
+            if g.magic != MAGIC or _fnv(head[:summed]) != lay.checksum:
                 raise RegionError("not a KV cache header")
-            if w[1] != VERSION:
-                raise RegionError(f"on-media format {w[1]}; this build reads {VERSION}")
-            item.update(slots=w[3], capacity_blocks=w[4], block_bytes=w[5], block_tokens=w[6],
-                        algorithm=ALGORITHM_NAMES.get(w[7], str(w[7])),
-                        salt_digest=head[48:64].hex(),
-                        occupancy=struct.unpack_from("<Q", head, 128)[0])
+            if g.version != VERSION:
+                raise RegionError(f"on-media format {g.version}; this build reads {VERSION}")
+            item.update(slots=g.slots, capacity_blocks=g.capacity, block_bytes=g.block_bytes,
+                        block_tokens=g.block_tokens,
+                        algorithm=ALGORITHM_NAMES.get(g.algorithm, str(g.algorithm)),
+                        salt_digest=g.salt_digest.hex(),
+                        occupancy=counters.unpack(head, at["counters"]).occupancy)
             totals = dict.fromkeys(STAT_NAMES, 0)
-            for j in range(lay[0]):
-                words = struct.unpack("<8Q", region.dma_read(lay[3] + j * KV_ST_WORDS * 8, 64))
+            for j in range(lay.nodes):
+                words = struct.unpack(f"<{KV_ST_WORDS}Q", region.dma_read(
+                    lay.stats + j * KV_ST_WORDS * 8, KV_ST_WORDS * 8))
                 for k, v in zip(STAT_NAMES, words, strict=True):
                     totals[k] += v
             item.update(totals)
             # Pin words: one per node and slot, the count in the low bits. A block
             # pinned anywhere cannot be evicted: what an operator wants to see.
-            slots, nodes = w[3], lay[0]
+            slots, nodes = g.slots, lay.nodes
             if slots > (1 << 24) or nodes > 64:
                 raise RegionError(f"{slots} slots x {nodes} nodes is not a KV cache's shape")
             per_node, pinned = [], set()
             for j in range(nodes):
-                raw = region.dma_read(lay[2] + j * slots * 8, slots * 8)
+                raw = region.dma_read(lay.pins + j * slots * 8, slots * 8)
                 counts = [v & KV_PIN_MAX for v in struct.unpack(f"<{slots}Q", raw)]
                 per_node.append(sum(counts))
                 pinned.update(k for k, c in enumerate(counts) if c)

@@ -18,6 +18,13 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 
+# 64-bit on-media constants (a Cython enum is a C int): remote-free journal marks.
+cdef extern from "cxl_layout.h":
+    const uint64_t CXL_RFREE_PENDING   # a queued object's mark, xor its offset
+    const uint64_t CXL_RFREE_APPLIED   # an applied one's
+    const uint64_t CXL_OFF_MASK        # journal words carry offsets below 2**48
+
+
 cdef enum:
     CXL_LAYOUT_VERSION = 3
     CXL_LINE_SIZE = 64

@@ -15,7 +15,8 @@ from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, C
                            CXL_DIR_ENTRY, CXL_DIR_NAME, CXL_LAYOUT_VERSION, CXL_LINE_SIZE,
                            CXL_LOCK_NAME, CXL_MAX_LOCKS, CXL_MAX_NODES, CXL_MAX_SECTIONS,
                            CXL_MIN_CHUNKS, CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED,
-                           CXL_NODE_NEVER, CXL_SB_PAGE, CXL_SMALL_MAGIC, cxl_chan_claim,
+                           CXL_NODE_NEVER, CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING,
+                           CXL_SB_PAGE, CXL_SMALL_MAGIC, cxl_chan_claim,
                            cxl_chan_header, cxl_chan_run, cxl_dir_entry, cxl_lock_grant_line,
                            cxl_lock_header, cxl_lock_node_line, cxl_mgr_claim, cxl_node_area,
                            cxl_rfree_link, cxl_rfree_queue, cxl_section, cxl_small_header,
@@ -40,7 +41,8 @@ CONSTANTS = {
     "CXL_NODE_NEVER": CXL_NODE_NEVER, "CXL_NODE_ATTACHED": CXL_NODE_ATTACHED,
     "CXL_NODE_DETACHED": CXL_NODE_DETACHED, "CXL_CK_SMALL": CXL_CK_SMALL,
     "CXL_CK_LARGE": CXL_CK_LARGE, "CXL_CK_TAIL": CXL_CK_TAIL,
-    "CXL_SMALL_MAGIC": CXL_SMALL_MAGIC,
+    "CXL_SMALL_MAGIC": CXL_SMALL_MAGIC, "CXL_RFREE_PENDING": CXL_RFREE_PENDING,
+    "CXL_RFREE_APPLIED": CXL_RFREE_APPLIED, "CXL_OFF_MASK": CXL_OFF_MASK,
 }
 """The layout constants of layout.pxd, by their C names."""
 

@@ -41,6 +41,7 @@ from cxlrt.backend cimport (cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, c
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, cxl_pid,
                                     likely, unlikely)
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64
 from cxlrt.liveness cimport Liveness, cxl_live_fenced, cxl_live_silent_since
 from cxlrt.region cimport Region
@@ -48,6 +49,7 @@ from cxlrt.region cimport Region
 from cxlrt.crash import point as _point
 from cxlrt.directory import check_name
 from cxlrt.errors import CxlrtError, RegionError
+from cxlrt.errors import DebugBuildRequired
 from cxlrt import rolelock
 from cxlrt.liveness import boot_hash, pid_namespace, process_alive, process_start
 from cxlrt.lock import LeaseLost
@@ -77,7 +79,7 @@ assert CXL_CHAN_HEADER == 64 * (3 + 2 * CXL_CHAN_RUNS)
 cdef int* _armed = cxl_crash_armed_ptr()
 
 # Set by _test_skip_observe(): observe() then loads without flushing first.
-# Only for the negative-control test; never set in production.
+# Only for the negative-control test; read only through CXLRT_TEST_HOOK (debug builds).
 cdef bint _skip_observe = False
 # Set by _test_skip_fencing(): owners never look at their epoch. Negative control only.
 cdef bint _skip_fencing = False
@@ -105,7 +107,7 @@ cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexc
     Pairs with the writer's persist (store, flush, fence) of the same line.
     """
     cdef int rc = 0
-    if likely(not _skip_observe):
+    if likely(not CXLRT_TEST_HOOK(_skip_observe)):
         rc = cxl_flush(r, off, 8)
     if rc == 0:
         rc = cxl_load64(r, off, v)
@@ -221,7 +223,7 @@ cdef inline int _epoch_ok(const cxl_region* r, uint64_t claim, uint64_t epoch,
     our counter: if we still see our epoch after our publish, the taker sees the publish."""
     cdef uint64_t e = 0
     cdef int rc
-    if unlikely(_skip_fencing):
+    if unlikely(CXLRT_TEST_HOOK(_skip_fencing)):
         return 0
     rc = _observe64(r, claim, &e)
     if rc != 0:
@@ -245,7 +247,8 @@ cdef inline int _epoch_still(cxl_chan* C, uint64_t claim, uint64_t epoch,
     Budget when we were not silent: two process-local loads and a clock read.
     """
     if C.live != NULL:
-        if likely(not cxl_live_silent_since(C.live, ok_ns[0])) or unlikely(_skip_fencing):
+        if likely(not cxl_live_silent_since(C.live, ok_ns[0])) or unlikely(
+                CXLRT_TEST_HOOK(_skip_fencing)):
             return 0
     return _epoch_ok(C.r, claim, epoch, ok_ns)
 
@@ -1191,7 +1194,7 @@ cdef class Channel:
     def _taken_over(self, role):
         """True if our claim of `role` no longer holds our epoch (observed now)."""
         epoch = self.C.p_epoch if role == "producer" else self.C.c_epoch
-        if _skip_fencing:
+        if CXLRT_TEST_HOOK(_skip_fencing):
             return False
         return _claim_words(self.region, self._claim_off(role))["epoch"] != epoch
 
@@ -1483,10 +1486,14 @@ cdef class Channel:
 def _test_skip_observe(bint on):
     """Negative control for the tests: observe() loads without flushing first."""
     global _skip_observe
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     _skip_observe = on
 
 
 def _test_skip_fencing(bint on):
     """Negative control for the tests: owners publish without checking their epoch."""
     global _skip_fencing
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     _skip_fencing = on

@@ -106,6 +106,7 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CX
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
 from cxlrt.kvpins cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
@@ -119,6 +120,7 @@ import os
 import time
 
 from cxlrt.errors import InvalidFreeError, OutOfMemory, RegionError
+from cxlrt.errors import DebugBuildRequired
 from cxlrt.lock import LeaseLost
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
@@ -328,9 +330,9 @@ cdef class KVCache:
     cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
-    cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
-    cdef bint _foreign                   # test hook: every writer is on a host we cannot see
-    cdef bint _no_quarantine             # test hook: free taken payloads at once (broken)
+    cdef bint _ignore_pins               # test hook (debug builds): a broken evictor
+    cdef bint _foreign                   # test hook (debug builds): writers on unseen hosts
+    cdef bint _no_quarantine             # test hook (debug builds): free taken payloads at once
     cdef uint64_t _lease_ns, _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
     cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
@@ -867,7 +869,7 @@ cdef class KVCache:
             return True
         if c.where == KV_PIN_WHERE:
             return self._pins_released(key, c)
-        if c.where == _where_hash() and not self._foreign:  # its process decides
+        if c.where == _where_hash() and not CXLRT_TEST_HOOK(self._foreign):  # its process decides
             if process_alive(_cpid(c), c.start):
                 return False  # alive, maybe stopped: it may resume, so it keeps the memory
             self._doomed.pop(key, None)
@@ -970,7 +972,7 @@ cdef class KVCache:
         if self._claim_of(s, e, c):
             if self._is_me(c):
                 return 0  # ours: this process is alive and knows what it writes
-            if (not self._foreign and c.where == self._id_where
+            if (not CXLRT_TEST_HOOK(self._foreign) and c.where == self._id_where
                     and not process_alive(_cpid(c), c.start)):
                 return 2
             with nogil:
@@ -995,7 +997,7 @@ cdef class KVCache:
 
     cdef uint32_t _take_kind(self, int verdict) noexcept:
         """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
-        if verdict == 1 and not self._no_quarantine:
+        if verdict == 1 and not CXLRT_TEST_HOOK(self._no_quarantine):
             return KV_REC_TAKE
         return KV_REC_EVICT
 
@@ -1902,7 +1904,7 @@ cdef class KVCache:
             rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 return rc
-            if rc == 1 and not self._ignore_pins:
+            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
                 continue
             if nc[0] < k:
                 cands[nc[0]].rec = rec
@@ -1944,7 +1946,8 @@ cdef class KVCache:
                     rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 self._raise(rc, "evict")
-            if rc == 1 and not self._ignore_pins:  # a reader pinned it meanwhile: it stays
+            # a reader pinned it meanwhile: it stays
+            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
                 e.meta = (gen << 8) | KV_READY
                 with nogil:
                     rc = self._write(s, &e)
@@ -1954,7 +1957,8 @@ cdef class KVCache:
             if not self._payload_ok(&e):
                 self._bad_slot = s
                 self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if gone and not self._ignore_pins and not self._no_quarantine:
+            if gone and not CXLRT_TEST_HOOK(self._ignore_pins) and not CXLRT_TEST_HOOK(
+                    self._no_quarantine):
                 # Pins of nodes judged gone: a stalled one may resume and read through
                 # them, so the payload is quarantined under their names, not freed.
                 memset(&c, 0, 64)
@@ -2284,6 +2288,8 @@ cdef uint64_t _fnv(bytes b):
 
 def _break_pin_protocol(KVCache cache):
     """Make `cache` evict pinned blocks: the broken protocol the tests must catch."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._ignore_pins = True
 
 
@@ -2291,12 +2297,16 @@ def _as_if_on_another_host(KVCache cache):
     """Make `cache` treat every writer as one on another host: judged by its progress
     word and its node's liveness, never by looking its process up (tests of the
     cross-host paths)."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._foreign = True
 
 
 def _break_quarantine(KVCache cache):
     """Make `cache` free a stalled writer's payload at once: the broken protocol the
     tests must catch (the writer, resumed, scribbles over whoever got the memory)."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._no_quarantine = True
 
 

@@ -270,6 +270,8 @@ cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t
     """Publish counter + 1 on our run line, then re-check our epoch: 0, CXLRT_E_CHANLOST
     (published, but the role may no longer be ours), or an error."""
     cdef int rc
+    CXL_ASSERT((line == C.p_line) | (line == C.c_line), b"a counter not on our run line")
+    CXL_ASSERT((line & 63) == 0, b"a run line that is not a whole cache line")
     # Release: the slot's DMA (send) or reads (recv) complete before the counter moves
     # (pairs with the acquire fence of the other end after it observes the counter).
     cxl_fence_release()
@@ -389,6 +391,8 @@ cdef int cxl_chan_send_try(cxl_chan* C, const char* p, uint64_t n) noexcept nogi
     rc = _room(C)
     if rc != 0:
         return rc
+    CXL_ASSERT(n <= C.msg_bytes, b"a message longer than the channel's (pre: n <= msg_bytes)")
+    CXL_ASSERT(C.tail - C.seen_head < C.slots, b"sending into a slot the consumer has not freed")
     slot = C.ring + (C.tail % C.slots) * C.slot_bytes
     hdr[0] = n
     hdr[1] = C.tail  # the message number: a consumer checks it against its head
@@ -545,6 +549,8 @@ cdef int cxl_chan_take(cxl_chan* C, char* out) noexcept nogil:
     cdef uint64_t n = C.cur_len
     cdef uint64_t slot = C.ring + (C.head % C.slots) * C.slot_bytes
     cdef int rc = 0
+    CXL_ASSERT(C.seen_tail - C.head - 1 < C.slots, b"head would pass the validated tail")
+    CXL_ASSERT(n <= C.msg_bytes, b"a peeked length longer than the channel's messages")
     C.c_lost_phase = 0
     memcpy(out, C.first + CXL_CHAN_LEN, n if n < CXL_CHAN_INLINE else CXL_CHAN_INLINE)
     if n > CXL_CHAN_INLINE:

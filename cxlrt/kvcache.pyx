@@ -564,6 +564,8 @@ cdef class KVCache:
 
     cdef int _write(self, uint64_t s, kv_entry* e) noexcept nogil:
         """Replace entry `s` (cache lock held) and publish it."""
+        CXL_ASSERT(s < self.slots, b"an entry past the table")
+        CXL_ASSERT(_state(e) <= KV_EVICTING, b"an entry state that does not exist")
         e.check = _mix(e)
         return self._put(self._entries + s * 64, e)
 
@@ -576,6 +578,7 @@ cdef class KVCache:
     cdef int _put(self, uint64_t at, const void* line) noexcept nogil:
         """Publish one whole line (cache lock held: we are its only writer)."""
         cdef int rc
+        CXL_ASSERT(self._hold_t0 != 0, b"a cache line written outside a hold of the cache lock")
         if self._fenced():
             return CXLRT_E_FENCED
         rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
@@ -792,7 +795,9 @@ cdef class KVCache:
         freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). Returns 0 when no record
         line is free (nothing changed), 1 when buried."""
         cdef kv_claim c
-        cdef int i = self._rec_alloc(), rc
+        cdef int i, rc
+        CXL_ASSERT(_holds(e), b"burying an entry that holds no payload")
+        i = self._rec_alloc()
         if i < 0:
             return 0
         if who != NULL:
@@ -1575,6 +1580,8 @@ cdef class KVCache:
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
+        CXL_ASSERT((_state(&e) == KV_EMPTY) | (_state(&e) == KV_TOMBSTONE),
+                   b"reserving a slot the probe did not find free (under the cache lock)")
         gen = _gen(&e) + 1
         # A claim line for this very epoch over a free entry: a reserve died between
         # its claim line and its entry, and nobody else knows that payload.
@@ -1597,6 +1604,7 @@ cdef class KVCache:
         e.len = KV_PAYLOAD_HDR + self.block_bytes
         e.owner = self._node | (<uint64_t>self._id_pid << 16)
         e.stamp_ns = cxl_wall_ns()
+        CXL_ASSERT(self._payload_ok(&e), b"reserved payload outside the heap or misaligned")
         with nogil:
             rc = self._put(self._claims + s * 64, &c)
             if rc == 0:
@@ -1729,6 +1737,7 @@ cdef class KVCache:
                 cxl_crash_hit(b"kv.store.publish")
             e.meta = (gen << 8) | KV_READY
             e.stamp_ns = cxl_wall_ns()
+            CXL_ASSERT(self._payload_ok(&e), b"publishing an entry whose payload is not ours")
             with nogil:
                 rc = self._write(s, &e)
             self._io(rc, "store")

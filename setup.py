@@ -1,9 +1,19 @@
 """Build cxlrt's Cython extensions.
 
 Environment knobs (pip cannot pass build_ext flags through PEP 517 easily):
-  CXLRT_DEBUG=1|2   compile with CXLRT_DEBUG (asserts, counters) and CYTHON_TRACE_NOGIL
+  CXLRT_DEBUG=1     a debug build (cxlrt/includes/debug.h): -O1 -g, CXL_ASSERT checks the
+                    invariants the hot paths rely on (abort with file:line and the
+                    condition), and the test hooks exist (negative controls such as
+                    cxlrt.channel._test_skip_observe; a release build compiles their
+                    branches out, and the tests that need them skip there). .ci/run runs
+                    tests/algorithms on such a build too.
+  CXLRT_DEBUG=2     level 1 plus expensive walks (CXL_ASSERT2: the whole chunk table after
+                    each change under the allocator lock), mimalloc's MI_DEBUG levels
+  CXLRT_TRACE=1     Cython line tracing (coverage, profilers: linetrace, CYTHON_TRACE_NOGIL)
+                    at -O0; independent of CXLRT_DEBUG, and far slower
   CXLRT_ANNOTATE=1  write Cython's HTML annotation next to each .pyx
   CXLRT_ONLY=a,b    build only these extensions (developer convenience)
+A change of knob needs a full rebuild: `python setup.py build_ext --inplace --force`.
 """
 
 import os
@@ -23,6 +33,7 @@ if tuple(int(x) for x in Cython.__version__.split(".")[:2]) < MIN_CYTHON:
     sys.exit(f"cxlrt needs Cython >= 3.1, found {Cython.__version__}")
 
 DEBUG = int(os.environ.get("CXLRT_DEBUG", "0") or 0)
+TRACE = os.environ.get("CXLRT_TRACE") == "1"
 ANNOTATE = os.environ.get("CXLRT_ANNOTATE") == "1"
 
 DIRECTIVES = {
@@ -33,13 +44,17 @@ DIRECTIVES = {
     "initializedcheck": False,
     "embedsignature": True,
     "profile": False,
-    "linetrace": bool(DEBUG),
+    "linetrace": TRACE,
 }
 
 MACROS = [("CXLRT_DEBUG", str(DEBUG))]
-if DEBUG:
+if TRACE:
     MACROS += [("CYTHON_TRACE_NOGIL", "1")]
-CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
+# Debug is -O1 -g and no line tracing: the asserts are what it is for. Tracing
+# (CYTHON_TRACE_NOGIL) makes nogil code take the GIL on every line, which deadlocks where
+# a thread holds a C mutex and waits for the GIL while the GIL holder waits for that
+# mutex (tests/algorithms/test_lock.py hung so, in the emulation's line lock).
+CFLAGS = ["-O0", "-g"] if TRACE else ["-O1", "-g"] if DEBUG else ["-O3"]
 INCLUDE = ["cxlrt/includes"]
 
 # (extension name, source): backends/ and emulation/ install as cxlrt.backends
@@ -81,7 +96,11 @@ def _extensions():
         compiler_directives=DIRECTIVES,
         include_path=["."],
         annotate=ANNOTATE,
-        compile_time_env={"CXLRT_DEBUG": DEBUG},
+        # No compile_time_env: CXLRT_DEBUG in .pyx code is debug.h's C macro, so the
+        # generated C is the same at every level and only the C compile differs (a
+        # Cython-time value would be folded into a .c that a later level reuses).
+        # build_ext --force translates again too: CXLRT_TRACE changes the C.
+        force="--force" in sys.argv,
         # Translating the .pyx files is a third of a fresh build: on every core, as the
         # C compile below is (the README's first command counts this time).
         nthreads=os.cpu_count() or 1,

@@ -30,6 +30,7 @@ from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_observe64, cxl_
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_popcount64,
                                     unlikely)
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.layout cimport CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING
@@ -37,6 +38,7 @@ from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
 from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService, cxl_lock_acquire,
                          cxl_lock_release)
+from cxlrt.lock cimport cxl_lock_held
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
 from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CORRUPT, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
                            CXLRT_E_NOMEM, CXLRT_E_RANGE, CXLRT_E_SUSPECT, check_rc)
@@ -125,6 +127,8 @@ cdef inline int _table_observe(cxl_allocctx* A, uint64_t k, uint64_t* w) noexcep
 
 cdef inline int _table_set(cxl_allocctx* A, uint64_t k, uint64_t w) noexcept nogil:
     """Write table[k]; the caller holds the allocator lock and publishes."""
+    CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"table word written without the lock")
+    CXL_ASSERT(k < A.nchunks, b"table word written past the end of the table")
     return cxl_store64(A.r, A.table_off + k * 8, w)
 
 
@@ -137,6 +141,7 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
     cdef uint64_t line[8]
     cdef uint64_t j
     cdef int rc = 0
+    CXL_ASSERT(k + n <= A.nchunks, b"table run written past the end of the table")
     for j in range(8):
         line[j] = w
     while n > 0 and rc == 0:
@@ -166,6 +171,7 @@ cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noex
         full = <uint64_t>-1 if (i + 1) * 64 <= nslots else ((<uint64_t>1 << (nslots - i * 64)) - 1)
         if (w & full) != full:
             b = <uint32_t>cxl_ctz64(~w)
+            CXL_ASSERT(i * 64 + b < nslots, b"bitmap hands out a slot past the chunk's last")
             rc = cxl_store64(A.r, base + 64 + i * 8, w | (<uint64_t>1 << b))
             if rc == 0:
                 # Publish the bit before the object is handed out: another node
@@ -201,7 +207,10 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
     """
     cdef uint64_t off = _chunk_off(A, k) + 64 + (slot // 64) * 8, w = 0
     cdef uint64_t bit = <uint64_t>1 << (slot % 64)
-    cdef int rc = cxl_load64(A.r, off, &w)
+    cdef int rc
+    CXL_ASSERT(c < CXL_NCLASSES, b"clearing a slot of no size class")
+    CXL_ASSERT(slot < CLASS_SLOTS[c], b"clearing a slot past the chunk's last")
+    rc = cxl_load64(A.r, off, &w)
     if rc != 0:
         return rc
     if not (w & bit):
@@ -224,6 +233,7 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
     cdef uint64_t k = 0, j, m = 0, b, at = <uint64_t>-1, run = 0, w
     cdef uint64_t line[8]
     cdef int rc = 0
+    CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"free run sought without the lock")
     while k < A.nchunks:
         b = k & ~(<uint64_t>7)
         if b != at:
@@ -252,6 +262,36 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
             run = 0
             k += _low(w) if _kind(w) == KIND_LARGE and _low(w) > 1 else 1
     return CXLRT_E_NOMEM
+
+
+cdef inline bint _table_ok(cxl_allocctx* A) noexcept nogil:
+    """Debug level 2: walk the whole chunk table (allocator lock held). Every word is
+    free, a small chunk of a real class and node, or a large head whose run lies in the
+    table and whose every other chunk is a tail naming it. A tail no head covers is
+    allowed: a free killed between the head and its tails leaves one (a leak `cxlrt
+    check` reports)."""
+    cdef uint64_t k = 0, j, w = 0, t = 0
+    while k < A.nchunks:
+        if _table_observe(A, k, &w) != 0:
+            return False
+        if _kind(w) == KIND_SMALL and (_low(w) >= CXL_NCLASSES or _owner(w) >= A.nodes):
+            return False
+        if _kind(w) == KIND_LARGE:
+            if _low(w) == 0 or k + _low(w) > A.nchunks or _owner(w) >= A.nodes:
+                return False
+            for j in range(1, _low(w)):
+                if _table_observe(A, k + j, &t) != 0 or t != _word(KIND_TAIL, _owner(w), k):
+                    return False
+            k += _low(w)
+        else:
+            k += 1
+    return True
+
+
+cdef inline void _walk_locked(cxl_allocctx* A, int rc) noexcept nogil:
+    """Debug level 2, right before a release of the allocator lock after a change."""
+    if CXLRT_DEBUG >= 2 and rc == 0:
+        CXL_ASSERT2(_table_ok(A), b"chunk table inconsistent after a change under the lock")
 
 
 # --- the allocator lock, fenced --------------------------------------------------------
@@ -319,6 +359,7 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
         rc = _table_set(A, k, _word(KIND_SMALL, A.node, c))
     if rc == 0:
         rc = cxl_persist(A.r, A.table_off + k * 8, 8)
+    _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc != 0:
         return rc
@@ -370,6 +411,7 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
         rc = _table_set(A, k, 0)
     if rc == 0:
         rc = cxl_persist(A.r, A.table_off + k * 8, 8)
+    _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
 
@@ -435,7 +477,11 @@ cdef int _q_write(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t count,
     stores, so a crash leaves at worst a count one too high (a push) or a queue
     half emptied that _q_settle empties again (a detach).
     """
-    cdef int rc = cxl_store64(A.r, q + RQ_COUNT, count)
+    cdef int rc
+    CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"queue line written without the lock")
+    CXL_ASSERT((q - A.rfree_off) % RFREE_BYTES == 0, b"not a remote-free queue's line 0")
+    CXL_ASSERT(q < _queue(A, A.nodes), b"a remote-free queue past the last node's")
+    rc = cxl_store64(A.r, q + RQ_COUNT, count)
     if rc == 0:
         rc = cxl_store64(A.r, q + RQ_HEAD, head)
     if rc == 0:
@@ -590,6 +636,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
         rc = _q_recheck(A, q, t0, head, count, seq, jw)
     if rc == 0:
         rc = _published(A, t0, _q_write(A, q, off, count + 1, seq))
+    _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
 
@@ -730,6 +777,7 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
             rc = _q_recheck(A, q, t0, head, count, seq, (js << 48) | head)
         if rc == 0:
             rc = _published(A, t0, _q_write(A, q, 0, 0, js))
+    _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
         rc = _journal_apply(A, applied)
@@ -850,11 +898,16 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     cdef int rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
+    CXL_ASSERT(c < CXL_NCLASSES, b"no such size class")
+    CXL_ASSERT(h.current[c] <= A.nchunks, b"a class hint past the chunk table")
     rc = 1
     if h.current[c]:
         rc = _take_slot(A, h.current[c] - 1, c, out)
     if unlikely(rc == 1):
         rc = _alloc_slow(A, c, out)
+    if rc == 0:
+        CXL_ASSERT(_objlike(A, out[0]), b"a small object outside the heap or not line-aligned")
+        CXL_ASSERT((out[0] - A.heap_off) % CLASS_SIZE[c] == 0, b"not aligned to its class size")
     A.ticks += 1
     if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
         _peek_drain(A)
@@ -868,7 +921,10 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
     cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
+    CXL_ASSERT(n >= 1, b"a large allocation of no chunk")
     rc = _find_free_run(A, n, &k)
+    if rc == 0:
+        CXL_ASSERT(k + n <= A.nchunks, b"a free run past the end of the table")
     if rc == 0:
         rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
     if rc == 0:
@@ -879,6 +935,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
         rc = cxl_persist(A.r, A.table_off + k * 8, n * 8)
         if rc == 0 and unlikely(_armed[0]):
             cxl_crash_hit(b"alloc.large")
+    _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
         out[0] = _chunk_off(A, k)
@@ -924,6 +981,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
             rc = _table_fill(A, k + 1, n - 1, 0)
         if rc == 0:
             rc = _published(A, t0, cxl_persist(A.r, A.table_off + k * 8, n * 8))
+        _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         return rc
     if _kind(w) != KIND_SMALL:

@@ -1,5 +1,7 @@
 from typing import Any
 
+DEBUG: int
+
 class Backend:
     scheme: str
     path: str

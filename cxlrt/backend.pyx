@@ -3,9 +3,14 @@
 
 from libc.stdint cimport uint32_t
 
+from cxlrt.includes.intrin cimport CXLRT_DEBUG
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.errors import RegionClosedError
+
+# This build's debug level (cxlrt/includes/debug.h): 0 release, 1 asserts and test
+# hooks, 2 also expensive walks. Tests that need the hooks skip unless it is >= 1.
+DEBUG = CXLRT_DEBUG
 
 
 cdef class Backend:

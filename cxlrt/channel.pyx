@@ -41,6 +41,7 @@ from cxlrt.backend cimport (cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, c
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, cxl_pid,
                                     likely, unlikely)
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64
 from cxlrt.liveness cimport Liveness, cxl_live_fenced, cxl_live_silent_since
 from cxlrt.region cimport Region
@@ -48,7 +49,8 @@ from cxlrt.status cimport CXLRT_E_CHANCORRUPT, CXLRT_E_CHANLOST
 
 from cxlrt.crash import point as _point
 from cxlrt.directory import check_name
-from cxlrt.errors import ChannelBusyError, ChannelRoleLostError, LeaseLost, RegionError
+from cxlrt.errors import (ChannelBusyError, ChannelRoleLostError, DebugBuildRequired, LeaseLost,
+                          RegionError)
 from cxlrt import rolelock
 from cxlrt.liveness import boot_hash, pid_namespace, process_alive, process_start
 
@@ -77,7 +79,7 @@ assert CXL_CHAN_HEADER == 64 * (3 + 2 * CXL_CHAN_RUNS)
 cdef int* _armed = cxl_crash_armed_ptr()
 
 # Set by _test_skip_observe(): observe() then loads without flushing first.
-# Only for the negative-control test; never set in production.
+# Only for the negative-control test; read only through CXLRT_TEST_HOOK (debug builds).
 cdef bint _skip_observe = False
 # Set by _test_skip_fencing(): owners never look at their epoch. Negative control only.
 cdef bint _skip_fencing = False
@@ -86,16 +88,11 @@ cdef bint _skip_fencing = False
 # --- fast paths (no GIL, no Python) ------------------------------------------------------
 
 cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
-    """Observe a word another node publishes: drop our copy of its line, then load.
-
-    Pairs with the writer's persist (store, flush, fence) of the same line.
-    """
-    cdef int rc = 0
-    if likely(not _skip_observe):
-        rc = cxl_flush(r, off, 8)
-    if rc == 0:
-        rc = cxl_load64(r, off, v)
-    return rc
+    """The contract's observe; the negative-control hook (debug builds) skips the
+    invalidate, which the emulation's checker must catch."""
+    if unlikely(CXLRT_TEST_HOOK(_skip_observe)):
+        return cxl_load64(r, off, v)
+    return cxl_observe64(r, off, v)
 
 
 cdef inline uint64_t _line(uint64_t runs, uint64_t x) noexcept nogil:
@@ -205,7 +202,7 @@ cdef inline int _epoch_ok(const cxl_region* r, uint64_t claim, uint64_t epoch,
     our counter: if we still see our epoch after our publish, the taker sees the publish."""
     cdef uint64_t e = 0
     cdef int rc
-    if unlikely(_skip_fencing):
+    if unlikely(CXLRT_TEST_HOOK(_skip_fencing)):
         return 0
     rc = _observe64(r, claim, &e)
     if rc != 0:
@@ -229,7 +226,8 @@ cdef inline int _epoch_still(cxl_chan* C, uint64_t claim, uint64_t epoch,
     Budget when we were not silent: two process-local loads and a clock read.
     """
     if C.live != NULL:
-        if likely(not cxl_live_silent_since(C.live, ok_ns[0])) or unlikely(_skip_fencing):
+        if likely(not cxl_live_silent_since(C.live, ok_ns[0])) or unlikely(
+                CXLRT_TEST_HOOK(_skip_fencing)):
             return 0
     return _epoch_ok(C.r, claim, epoch, ok_ns)
 
@@ -251,6 +249,8 @@ cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t
     """Publish counter + 1 on our run line, then re-check our epoch: 0, CXLRT_E_CHANLOST
     (published, but the role may no longer be ours), or an error."""
     cdef int rc
+    CXL_ASSERT((line == C.p_line) | (line == C.c_line), b"a counter not on our run line")
+    CXL_ASSERT((line & 63) == 0, b"a run line that is not a whole cache line")
     # Release: the slot's DMA (send) or reads (recv) complete before the counter moves
     # (pairs with the acquire fence of the other end after it observes the counter).
     cxl_fence_release()
@@ -370,6 +370,8 @@ cdef int cxl_chan_send_try(cxl_chan* C, const char* p, uint64_t n) noexcept nogi
     rc = _room(C)
     if rc != 0:
         return rc
+    CXL_ASSERT(n <= C.msg_bytes, b"a message longer than the channel's (pre: n <= msg_bytes)")
+    CXL_ASSERT(C.tail - C.seen_head < C.slots, b"sending into a slot the consumer has not freed")
     slot = C.ring + (C.tail % C.slots) * C.slot_bytes
     hdr[0] = n
     hdr[1] = C.tail  # the message number: a consumer checks it against its head
@@ -526,6 +528,8 @@ cdef int cxl_chan_take(cxl_chan* C, char* out) noexcept nogil:
     cdef uint64_t n = C.cur_len
     cdef uint64_t slot = C.ring + (C.head % C.slots) * C.slot_bytes
     cdef int rc = 0
+    CXL_ASSERT(C.seen_tail - C.head - 1 < C.slots, b"head would pass the validated tail")
+    CXL_ASSERT(n <= C.msg_bytes, b"a peeked length longer than the channel's messages")
     C.c_lost_phase = 0
     memcpy(out, C.first + CXL_CHAN_LEN, n if n < CXL_CHAN_INLINE else CXL_CHAN_INLINE)
     if n > CXL_CHAN_INLINE:
@@ -1174,7 +1178,7 @@ cdef class Channel:
     def _taken_over(self, role):
         """True if our claim of `role` no longer holds our epoch (observed now)."""
         epoch = self.C.p_epoch if role == "producer" else self.C.c_epoch
-        if _skip_fencing:
+        if CXLRT_TEST_HOOK(_skip_fencing):
             return False
         return _claim_words(self.region, self._claim_off(role))["epoch"] != epoch
 
@@ -1466,10 +1470,14 @@ cdef class Channel:
 def _test_skip_observe(bint on):
     """Negative control for the tests: observe() loads without flushing first."""
     global _skip_observe
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     _skip_observe = on
 
 
 def _test_skip_fencing(bint on):
     """Negative control for the tests: owners publish without checking their epoch."""
     global _skip_fencing
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     _skip_fencing = on

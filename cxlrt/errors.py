@@ -143,3 +143,17 @@ class ClaimLost(LeaseLost):
 
     def __reduce__(self):
         return (ClaimLost, (str(self), self.stored, self.lost))
+
+
+class DebugBuildRequired(CxlrtError, RuntimeError):
+    """A test hook was called on a release build: hooks exist only in debug builds.
+
+    The hooks (``cxlrt.channel._test_skip_observe``, ``cxlrt.kvcache._break_pin_protocol``
+    and the like) break a protocol on purpose, for negative-control tests; a release
+    build compiles their branches out of the hot paths.
+    """
+
+    HINT = "test hooks need a debug build: CXLRT_DEBUG=1 pip install -e ."
+
+    def __init__(self, message: str = HINT) -> None:
+        super().__init__(message)

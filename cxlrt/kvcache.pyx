@@ -106,6 +106,7 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CX
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
@@ -120,8 +121,8 @@ import hashlib
 import os
 import time
 
-from cxlrt.errors import (ClaimLost, InvalidFreeError, LeaseLost, OutOfMemory, RegionError,
-                          SchemeMismatchError)
+from cxlrt.errors import (ClaimLost, DebugBuildRequired, InvalidFreeError, LeaseLost, OutOfMemory,
+                          RegionError, SchemeMismatchError)
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 
@@ -306,9 +307,9 @@ cdef class KVCache:
     cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
-    cdef bint _ignore_pins               # test hook: a broken evictor the tests must catch
-    cdef bint _foreign                   # test hook: every writer is on a host we cannot see
-    cdef bint _no_quarantine             # test hook: free taken payloads at once (broken)
+    cdef bint _ignore_pins               # test hook (debug builds): a broken evictor
+    cdef bint _foreign                   # test hook (debug builds): writers on unseen hosts
+    cdef bint _no_quarantine             # test hook (debug builds): free taken payloads at once
     cdef uint64_t _lease_ns, _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
     cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
@@ -538,6 +539,8 @@ cdef class KVCache:
 
     cdef int _write(self, uint64_t s, kv_entry* e) noexcept nogil:
         """Replace entry `s` (cache lock held) and publish it."""
+        CXL_ASSERT(s < self.slots, b"an entry past the table")
+        CXL_ASSERT(_state(e) <= KV_EVICTING, b"an entry state that does not exist")
         e.check = _mix(e)
         return self._put(self._entries + s * 64, e)
 
@@ -550,6 +553,7 @@ cdef class KVCache:
     cdef int _put(self, uint64_t at, const void* line) noexcept nogil:
         """Publish one whole line (cache lock held: we are its only writer)."""
         cdef int rc
+        CXL_ASSERT(self._hold_t0 != 0, b"a cache line written outside a hold of the cache lock")
         if self._fenced():
             return CXLRT_E_FENCED
         rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
@@ -760,7 +764,9 @@ cdef class KVCache:
         freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). Returns 0 when no record
         line is free (nothing changed), 1 when buried."""
         cdef kv_claim c
-        cdef int i = self._rec_alloc(), rc
+        cdef int i, rc
+        CXL_ASSERT(_holds(e), b"burying an entry that holds no payload")
+        i = self._rec_alloc()
         if i < 0:
             return 0
         if who != NULL:
@@ -837,7 +843,7 @@ cdef class KVCache:
             return True
         if c.where == KV_PIN_WHERE:
             return self._pins_released(key, c)
-        if c.where == _where_hash() and not self._foreign:  # its process decides
+        if c.where == _where_hash() and not CXLRT_TEST_HOOK(self._foreign):  # its process decides
             if process_alive(_cpid(c), c.start):
                 return False  # alive, maybe stopped: it may resume, so it keeps the memory
             self._doomed.pop(key, None)
@@ -938,7 +944,7 @@ cdef class KVCache:
         if self._claim_of(s, e, c):
             if self._is_me(c):
                 return 0  # ours: this process is alive and knows what it writes
-            if (not self._foreign and c.where == self._id_where
+            if (not CXLRT_TEST_HOOK(self._foreign) and c.where == self._id_where
                     and not process_alive(_cpid(c), c.start)):
                 return 2
             with nogil:
@@ -963,7 +969,7 @@ cdef class KVCache:
 
     cdef uint32_t _take_kind(self, int verdict) noexcept:
         """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
-        if verdict == 1 and not self._no_quarantine:
+        if verdict == 1 and not CXLRT_TEST_HOOK(self._no_quarantine):
             return KV_REC_TAKE
         return KV_REC_EVICT
 
@@ -1534,6 +1540,8 @@ cdef class KVCache:
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
+        CXL_ASSERT((_state(&e) == KV_EMPTY) | (_state(&e) == KV_TOMBSTONE),
+                   b"reserving a slot the probe did not find free (under the cache lock)")
         gen = _gen(&e) + 1
         # A claim line for this very epoch over a free entry: a reserve died between
         # its claim line and its entry, and nobody else knows that payload.
@@ -1556,6 +1564,7 @@ cdef class KVCache:
         e.len = KV_PAYLOAD_HDR + self.block_bytes
         e.owner = self._node | (<uint64_t>self._id_pid << 16)
         e.stamp_ns = cxl_wall_ns()
+        CXL_ASSERT(self._payload_ok(&e), b"reserved payload outside the heap or misaligned")
         with nogil:
             rc = self._put(self._claims + s * 64, &c)
             if rc == 0:
@@ -1688,6 +1697,7 @@ cdef class KVCache:
                 cxl_crash_hit(b"kv.store.publish")
             e.meta = (gen << 8) | KV_READY
             e.stamp_ns = cxl_wall_ns()
+            CXL_ASSERT(self._payload_ok(&e), b"publishing an entry whose payload is not ours")
             with nogil:
                 rc = self._write(s, &e)
             self._io(rc, "store")
@@ -1861,7 +1871,7 @@ cdef class KVCache:
             rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 return rc
-            if rc == 1 and not self._ignore_pins:
+            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
                 continue
             if nc[0] < k:
                 cands[nc[0]].rec = rec
@@ -1903,7 +1913,8 @@ cdef class KVCache:
                     rc = self._pinned(s, &rec, &gone)
             if rc < 0:
                 self._raise(rc, "evict")
-            if rc == 1 and not self._ignore_pins:  # a reader pinned it meanwhile: it stays
+            # a reader pinned it meanwhile: it stays
+            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
                 e.meta = (gen << 8) | KV_READY
                 with nogil:
                     rc = self._write(s, &e)
@@ -1913,7 +1924,8 @@ cdef class KVCache:
             if not self._payload_ok(&e):
                 self._bad_slot = s
                 self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if gone and not self._ignore_pins and not self._no_quarantine:
+            if gone and not CXLRT_TEST_HOOK(self._ignore_pins) and not CXLRT_TEST_HOOK(
+                    self._no_quarantine):
                 # Pins of nodes judged gone: a stalled one may resume and read through
                 # them, so the payload is quarantined under their names, not freed.
                 memset(&c, 0, 64)
@@ -2239,6 +2251,8 @@ cdef uint64_t _fnv(bytes b):
 
 def _break_pin_protocol(KVCache cache):
     """Make `cache` evict pinned blocks: the broken protocol the tests must catch."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._ignore_pins = True
 
 
@@ -2246,12 +2260,16 @@ def _as_if_on_another_host(KVCache cache):
     """Make `cache` treat every writer as one on another host: judged by its progress
     word and its node's liveness, never by looking its process up (tests of the
     cross-host paths)."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._foreign = True
 
 
 def _break_quarantine(KVCache cache):
     """Make `cache` free a stalled writer's payload at once: the broken protocol the
     tests must catch (the writer, resumed, scribbles over whoever got the memory)."""
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
     cache._no_quarantine = True
 
 

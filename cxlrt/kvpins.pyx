@@ -8,7 +8,8 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
 from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
-from cxlrt.lock cimport cxl_local_enter, cxl_local_exit
+from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_lock_held
+from cxlrt.includes.intrin cimport CXL_ASSERT
 from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, check_rc
 
@@ -148,10 +149,12 @@ cdef class PinTable:
         cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
         cdef uint16_t* mine
         cdef int rc = 0
+        CXL_ASSERT(cxl_lock_held(self.L, self.lock_id, False), b"pins changed without the mutex")
         if self._rec < 0 or self._rec_pid != cxl_pid():
             return CXLRT_E_KVNOREC
         mine = self._record(self._rec)
         for i in range(n):
+            CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
             if delta < 0:
                 if mine[slots[i]] == 0:
                     continue  # not ours to give back (a Hit of another process)

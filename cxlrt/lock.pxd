@@ -57,6 +57,7 @@ cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef int cxl_lock_sweep(void* ctx) noexcept nogil
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil
+cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil
 
 
 ctypedef struct cxl_mgr_pace:

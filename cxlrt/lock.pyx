@@ -27,6 +27,7 @@ from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
 from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
                                    cxl_mutex_unlock, pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_set_timerslack_1ns, cxl_sleep_ns
+from cxlrt.includes.intrin cimport CXL_ASSERT
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, NodeLocal, cxl_local_lock
 from cxlrt.mapping cimport Mapping
 from cxlrt.region cimport Region
@@ -595,6 +596,7 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     """
     cdef cxl_local_lock* s = _slot(L, id)
     cdef int rc
+    CXL_ASSERT(cxl_lock_held(L, id, True), b"lock released by a thread that does not hold it")
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.release.before")
     if unlikely(cxl_live_fenced(L.live)):
@@ -626,8 +628,18 @@ cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     return rc
 
 
+cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil:
+    """Whether this thread holds lock `id`'s node-local mutex (and, with global_tier,
+    the global tier too): for the debug build's asserts of `pre: lock held`."""
+    cdef cxl_local_lock* s = _slot(L, id)
+    return (s.holder_pid == <uint32_t>cxl_pid() and s.holder_tid == cxl_thread_id()
+            and (not global_tier or s.global_held != 0))
+
+
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil:
     cdef cxl_local_lock* s = _slot(L, id)
+    CXL_ASSERT(cxl_lock_held(L, id, False),
+               b"node-local mutex left by a thread that does not hold it")
     s.holder_pid = 0
     s.holder_tid = 0
     cxl_mutex_unlock(&s.m)

@@ -22,6 +22,8 @@ import pytest
 
 import cxlrt
 from cxlrt import registry
+from cxlrt.backend import DEBUG
+from cxlrt.errors import DebugBuildRequired
 
 DEFAULT_SEED = 1
 NUMA_NODE = int(os.environ.get("CXLRT_TEST_NUMA_NODE", "0"))
@@ -149,6 +151,13 @@ def region_dir(monkeypatch):
     monkeypatch.setenv("CXLRT_LOCAL_DIR", root)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_runtest_setup(item):
+    # Negative controls switch a protocol off through test hooks, which exist only in
+    # debug builds (CXLRT_DEBUG >= 1); .ci/run runs tests/algorithms on one as well.
+    if item.get_closest_marker("debug_build") and not DEBUG:
+        pytest.skip(DebugBuildRequired.HINT)
 
 
 @pytest.hookimpl(wrapper=True)

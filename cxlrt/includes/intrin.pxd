@@ -36,8 +36,13 @@ cdef extern from "cxl_intrin.h" nogil:
     void cxl_spin_ns(uint64_t ns)
 
 
-cdef extern from "debug.h":
+cdef extern from "debug.h" nogil:
     int CXLRT_DEBUG
+    # Test-only branch: `if CXLRT_TEST_HOOK(flag):` is constant false in release builds.
+    bint CXLRT_TEST_HOOK(bint x)
+    # Level 1 (cheap, process-local) and level 2 (expensive walks) asserts: abort on failure.
+    void CXL_ASSERT(bint cond, const char* what)
+    void CXL_ASSERT2(bint cond, const char* what)
 
 
 cdef extern from *:

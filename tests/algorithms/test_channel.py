@@ -441,6 +441,7 @@ def test_slot_with_another_message_number_is_a_region_error(backend):
 
 # --- negative control -------------------------------------------------------------------------
 
+@pytest.mark.debug_build
 def test_skipping_the_observe_flush_breaks_delivery(backend, emu_only):
     """Without the flush before the tail load, the consumer reads its stale copy."""
     a, b, p, c = _pair(backend, slots=4, msg_bytes=32)

@@ -537,6 +537,7 @@ def test_a_consumer_behind_many_takeovers_keeps_every_message(backend):
 
 # --- negative control: without the epoch checks the issue's symptom comes back ------------------
 
+@pytest.mark.debug_build
 def test_without_epoch_checks_a_stalled_producer_loses_acknowledged_messages(backend):
     """The fencing is what saves the stalled producer's messages: turn the epoch checks
     off in the producer and its sends after the takeover are acknowledged but never

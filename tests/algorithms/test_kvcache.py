@@ -324,6 +324,7 @@ def test_eviction_never_frees_a_pinned_block(backend):
     r.close()
 
 
+@pytest.mark.debug_build
 def test_an_evictor_that_ignores_pins_is_caught(backend):
     """The broken protocol: evict without reading pins. The pinned reader must notice."""
     r, c, keys = filled(backend, nodes=3, capacity=16, blocks=4)
@@ -335,7 +336,9 @@ def test_an_evictor_that_ignores_pins_is_caught(backend):
     r.close()
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["pins-read", "pins-ignored"])
+@pytest.mark.parametrize("broken", [
+    pytest.param(False, id="pins-read"),
+    pytest.param(True, id="pins-ignored", marks=pytest.mark.debug_build)])
 def test_delete_drops_unpinned_blocks_and_keeps_pinned_ones(backend, broken):
     r, c, keys = filled(backend, nodes=2, capacity=16, blocks=4)
     peer = backend.open(1)

@@ -1,6 +1,7 @@
 # cython: language_level=3
 """Base class of every backend; the C contract is in backend.pxd."""
 
+cimport cython
 from libc.stdint cimport uint32_t
 
 from cxlrt.includes.intrin cimport CXLRT_DEBUG
@@ -60,6 +61,7 @@ cdef class Backend:
         self.reg.closed = 1
 
 
+@cython.no_gc_clear  # a beat thread may still use the mapping: the GC must not drop it first
 cdef class MappedBackend(Backend):
     """A backend whose medium is one plain mapping and whose ctx is its base pointer
     (file:, numa:, dax:): the shared setup, close and view."""

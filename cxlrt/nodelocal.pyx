@@ -7,6 +7,7 @@ import glob
 import os
 import tempfile
 
+cimport cython
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
@@ -77,6 +78,7 @@ def _build(path, uuid, node):
     return tmp
 
 
+@cython.no_gc_clear  # a beat thread may still use the mapping: the GC must not drop it first
 cdef class NodeLocal:
     """Map (creating if needed) the node-local file of (region format `uuid`, `node`).
 

@@ -11,6 +11,7 @@ and the latency and bandwidth of a modelled device (``lat``, ``bw``). The
 checker (``check=1``) turns protocol violations into ``CoherenceError``.
 """
 
+cimport cython
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy
@@ -443,6 +444,7 @@ _VIOLATIONS = {
 _instances = {}
 
 
+@cython.no_gc_clear  # a beat thread may still use the mapping: the GC must not drop it first
 cdef class EmuBackend(Backend):
     """The non-coherent emulation of one node's view.
 

@@ -274,7 +274,7 @@ def inspect(spec: str) -> dict[str, Any]:
                 "incarnation": a.incarnation,
                 # Wall-clock age of the last beat, for people: liveness never uses it.
                 "heartbeat_age_s": None if not wall else round((now - wall) / 1e9, 3)})
-        from cxlrt.kvcache import describe
+        from cxlrt.kvinspect import describe
         info["kv_caches"] = describe(region, info["sections"]["directory"][0])
     finally:
         region.close()

@@ -80,6 +80,17 @@ cdef enum:                     # the words of a node's stats line, in STAT_NAMES
     KV_ST_WORDS = 8            # one 64-byte line per node
 
 
+ctypedef struct kv_stats:      # a node's stats line: the words the KV_ST_* above number
+    uint64_t lookups
+    uint64_t hits
+    uint64_t misses
+    uint64_t stores
+    uint64_t skipped
+    uint64_t evictions
+    uint64_t bytes_stored
+    uint64_t bytes_loaded
+
+
 ctypedef struct kv_entry:
     uint64_t key[2]
     uint64_t meta              # generation << 8 | state

@@ -103,6 +103,7 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CX
                             cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
                             cxl_flush_nodrain, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
                             cxl_persist, cxl_region, cxl_store)
+from cxlrt.alloc cimport Allocator, cxl_free
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
@@ -111,10 +112,12 @@ from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
                              cxl_node_state)
+from cxlrt.layout cimport (cxl_node_area, kv_counters, kv_geometry, kv_header, kv_layout,
+                           kv_payload_header)
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
-from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_FENCED, CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC,
-                           CXLRT_E_KVPINS)
+from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CLOSED, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
+                           CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC, CXLRT_E_KVPINS)
 
 
 import hashlib
@@ -135,6 +138,25 @@ cdef uint64_t KV_PIN_WHERE = 0x534E4950444956   # "VIDPINS"
 cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef kv_entry _proto
+# offsetof by address difference (Cython has no offsetof): the header lines and the
+# payload header fields that are written one at a time.
+cdef kv_header _kh
+cdef cxl_node_area _na
+cdef kv_stats _ks
+cdef uint64_t NODE_INCARNATION = <char*>&_na.incarnation - <char*>&_na
+if (sizeof(kv_stats) != KV_ST_WORDS * sizeof(uint64_t)
+        or <char*>&_ks.evictions - <char*>&_ks != KV_ST_EVICTIONS * sizeof(uint64_t)
+        or <char*>&_ks.bytes_loaded - <char*>&_ks != KV_ST_BYTES_LOADED * sizeof(uint64_t)):
+    raise ImportError("cxlrt.kvcache: kv_stats and the KV_ST_* word numbers disagree")
+cdef kv_payload_header _kp
+cdef uint64_t KV_AT_LAYOUT = <char*>&_kh.layout - <char*>&_kh
+cdef uint64_t KV_AT_COUNTERS = <char*>&_kh.counters - <char*>&_kh
+cdef uint64_t KV_SUMMED = <char*>&_kh.layout.checksum - <char*>&_kh  # what the checksum covers
+cdef uint64_t KV_COUNTED = <char*>&_kh.counters.reserved - <char*>&_kh.counters
+if (KV_HEADER != sizeof(kv_header) or KV_PAYLOAD_HDR != sizeof(kv_payload_header)
+        or KV_PROGRESS != <char*>&_kp.progress - <char*>&_kp):
+    raise ImportError("cxlrt.kvcache: KV_HEADER/KV_PAYLOAD_HDR/KV_PROGRESS disagree with "
+                      "the structs of layout.pxd")
 if (<char*>&_proto.meta - <char*>&_proto != KV_ENTRY_META or sizeof(kv_entry) != 64
         or KV_KEY_BYTES != KEY_BYTES):
     raise ImportError("cxlrt.kvcache: kv_entry layout and KV_ENTRY_META/KV_KEY_BYTES disagree")
@@ -143,8 +165,13 @@ if (<char*>&_proto.meta - <char*>&_proto != KV_ENTRY_META or sizeof(kv_entry) !=
 DIR_PREFIX = "kv/"  # directory names of KV caches
 STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
-STAT_NAMES = ("lookups", "hits", "misses", "stores", "skipped", "evictions", "bytes_stored",
-              "bytes_loaded")
+
+
+cdef dict _stats_dict(const kv_stats* ks):
+    return ks[0]  # Cython makes a dict of a struct's fields, in declaration order
+
+
+STAT_NAMES = tuple(_stats_dict(&_ks))  # the fields of kv_stats (kvcache.pxd)
 RECORD_NAMES = {KV_REC_EVICT: "evicting", KV_REC_TAKE: "taking over",
                 KV_REC_QUARANTINE: "quarantined", KV_REC_DEFERRED: "deferred"}
 QUARANTINE_LEASES = KV_QUARANTINE_LEASES
@@ -289,6 +316,7 @@ cdef class KVCache:
     cdef const cxl_region* r
     cdef cxl_lockctx* L
     cdef LockService _locks              # keeps L alive
+    cdef Allocator _heap                 # payloads are freed through its C entry point
     cdef readonly Region region
     cdef readonly str name
     cdef readonly uint64_t offset        # the cache object in the region
@@ -319,6 +347,8 @@ cdef class KVCache:
     cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
     cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
     cdef int _pend_pid                   # the process they belong to
+    cdef list _orphans                   # slot arrays of hits dropped unreleased (bytes)
+    cdef int _orphans_pid                # the process whose pins those are
     cdef object __weakref__              # Region._closing holds us weakly
 
     def __init__(self, Region region not None, str name not None, *, block_bytes=None,
@@ -352,11 +382,14 @@ cdef class KVCache:
         self._tick_ns = max(self._lease_ns // 8, 1000000)
         self._seen = {}
         self._doomed = {}
+        self._orphans = []
+        self._orphans_pid = cxl_pid()
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
         self._lock = region.lock(f"kv:{tag}")
         self._pin_lock = region.lock(f"kvp:{tag}").index
         self._locks = region.locks
         self.L = &self._locks.L
+        self._heap = region._allocator
         self._attach(name, create, block_bytes, capacity_blocks)
         from cxlrt.nodelocal import local_dir
         path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self._node}"
@@ -378,35 +411,64 @@ cdef class KVCache:
     # --- creation and attach ------------------------------------------------------------
 
     def _total(self):
-        return (KV_HEADER + self.slots * 64 + self._nodes * self.slots * 8
-                + self._nodes * KV_ST_WORDS * 8 + self.slots * 64 + self._nrec * 64)
+        return self._sections(0)[5]
 
     def _sections(self, uint64_t base):
-        """(entries, pins, stats, claims, records) offsets of a cache object at `base`."""
-        entries = base + KV_HEADER
-        pins = entries + self.slots * 64
-        stats = pins + self._nodes * self.slots * 8
-        claims = stats + self._nodes * KV_ST_WORDS * 8
-        return entries, pins, stats, claims, claims + self.slots * 64
+        """(entries, pins, stats, claims, records, end) offsets of a cache object at
+        `base` (the object map in kvcache.pxd)."""
+        entries = base + sizeof(kv_header)
+        pins = entries + self.slots * sizeof(kv_entry)
+        stats = pins + self._nodes * self.slots * sizeof(uint64_t)
+        claims = stats + self._nodes * sizeof(kv_stats)
+        records = claims + self.slots * sizeof(kv_claim)
+        return entries, pins, stats, claims, records, records + self._nrec * sizeof(kv_claim)
+
+    # The sections' lines (offsets set by _validate).
+    cdef inline uint64_t _entry_at(self, uint64_t s) noexcept nogil:
+        return self._entries + s * sizeof(kv_entry)
+
+    cdef inline uint64_t _claim_at(self, uint64_t s) noexcept nogil:
+        return self._claims + s * sizeof(kv_claim)
+
+    cdef inline uint64_t _record_at(self, uint64_t i) noexcept nogil:
+        return self._records + i * sizeof(kv_claim)
+
+    cdef inline uint64_t _stats_at(self, uint64_t node) noexcept nogil:
+        return self._stats + node * sizeof(kv_stats)
+
+    cdef int _geo(self, kv_geometry* g) except -1:
+        """This cache's geometry line, as it is (or would be) on the medium."""
+        memset(g, 0, sizeof(kv_geometry))
+        g.magic = MAGIC
+        g.version = VERSION
+        g.key_bytes = KEY_BYTES
+        g.slots = self.slots
+        g.capacity = self.capacity
+        g.block_bytes = self.block_bytes
+        g.block_tokens = self.block_tokens
+        g.algorithm = ALGORITHMS[self.algorithm]
+        memcpy(g.salt_digest, PyBytes_AS_STRING(self.salt_digest), sizeof(g.salt_digest))
+        return 0
 
     def _geometry(self):
-        cdef bytearray g = bytearray(64)
-        g[0:8] = MAGIC.to_bytes(8, "little")
-        g[8:12] = VERSION.to_bytes(4, "little")
-        g[12:16] = KEY_BYTES.to_bytes(4, "little")
-        g[16:24] = self.slots.to_bytes(8, "little")
-        g[24:32] = self.capacity.to_bytes(8, "little")
-        g[32:40] = self.block_bytes.to_bytes(8, "little")
-        g[40:44] = self.block_tokens.to_bytes(4, "little")
-        g[44:48] = ALGORITHMS[self.algorithm].to_bytes(4, "little")
-        g[48:64] = self.salt_digest
-        return bytes(g)
+        cdef kv_geometry g
+        self._geo(&g)
+        return (<char*>&g)[:sizeof(g)]
 
     def _layout(self, uint64_t base, uint64_t created):
-        entries, pins, stats, claims, _ = self._sections(base)
-        words = [self._nodes, entries, pins, stats, created, self._total(), claims]
-        body = b"".join(w.to_bytes(8, "little") for w in words)
-        return body + _fnv(self._geometry() + body).to_bytes(8, "little")
+        """The layout line of a cache object at `base`, its checksum over both lines."""
+        cdef kv_header h
+        self._geo(&h.geometry)
+        entries, pins, stats, claims = self._sections(base)[:4]
+        h.layout.nodes = self._nodes
+        h.layout.entries = entries
+        h.layout.pins = pins
+        h.layout.stats = stats
+        h.layout.created_ns = created
+        h.layout.total = self._total()
+        h.layout.claims = claims
+        h.layout.checksum = _fnv_c(<const unsigned char*>&h, KV_SUMMED)
+        return (<char*>&h.layout)[:sizeof(kv_layout)]
 
     def _attach(self, str name, bint create, block_bytes, capacity):
         region = self.region
@@ -427,28 +489,29 @@ cdef class KVCache:
                     off = region.get(key)
                 except KeyError:
                     off = self._create(key)
+        cdef kv_header h
         if block_bytes is None or capacity is None:  # attach with the recorded geometry
-            geo = self._header(off)[0]
-            block_bytes = block_bytes or int.from_bytes(geo[32:40], "little")
-            capacity = capacity or int.from_bytes(geo[24:32], "little")
+            self._read_header(off, &h)
+            block_bytes = block_bytes or h.geometry.block_bytes
+            capacity = capacity or h.geometry.capacity
             if block_bytes < 1 or capacity < 1 or capacity > self._heap_hi:
                 raise RegionError(f"KV cache {name!r}: recorded geometry is corrupt")
         self._set_geometry(block_bytes, capacity)
         self.offset = off
         self._validate(off)
 
-    def _header(self, uint64_t base):
-        """(geometry line, layout line) of the cache object at `base`, checked."""
+    cdef int _read_header(self, uint64_t base, kv_header* h) except -1:
+        """The geometry and layout lines of the cache object at `base`, checked."""
         region = self.region
         if base % 64 or base < self._heap_lo or base + KV_HEADER > self._heap_hi:
             raise RegionError(f"KV cache {self.name!r}: directory offset {base} is not a "
                               "cache object (corrupt)")
-        region.flush(base, 128)
-        geo = region.load(base, 64)
-        lay = region.load(base + 64, 64)
-        if int.from_bytes(geo[0:8], "little") != MAGIC:
+        region.flush(base, KV_AT_COUNTERS)
+        cdef bytes raw = bytes(region.load(base, KV_AT_COUNTERS))
+        memcpy(h, PyBytes_AS_STRING(raw), KV_AT_COUNTERS)
+        if h.geometry.magic != MAGIC:
             raise RegionError(f"{self.name!r} in the directory is not a KV cache")
-        version = int.from_bytes(geo[8:12], "little")
+        version = h.geometry.version
         if version != VERSION:
             raise RegionError(
                 f"KV cache {self.name!r} has on-media format {version}; this build reads "
@@ -457,9 +520,9 @@ cdef class KVCache:
                                        "another name, or delete it with "
                                        f"region.delete({DIR_PREFIX + self.name!r}) once no "
                                        "process uses it" if version < VERSION else ""))
-        if _fnv(geo + lay[:56]) != int.from_bytes(lay[56:64], "little"):
+        if _fnv_c(<const unsigned char*>h, KV_SUMMED) != h.layout.checksum:
             raise RegionError(f"KV cache {self.name!r}: header checksum mismatch (corrupt)")
-        return geo, lay
+        return 0
 
     def _create(self, str name):
         region = self.region
@@ -475,46 +538,46 @@ cdef class KVCache:
             n = min(len(zeros), total - pos)
             region.dma_write(base + pos, zeros[:n])
             pos += n
-        region.store(base + 64, self._layout(base, cxl_wall_ns()))
-        region.persist(base + 64, 64)
+        region.store(base + KV_AT_LAYOUT, self._layout(base, cxl_wall_ns()))
+        region.persist(base + KV_AT_LAYOUT, sizeof(kv_layout))
         region.store(base, self._geometry())  # the magic goes last: attachers wait for it
-        region.persist(base, 64)
+        region.persist(base, sizeof(kv_geometry))
         region.put(name, base)
         return base
 
     def _validate(self, uint64_t base):
-        geo, lay = self._header(base)
-        self._check_scheme(geo)
-        words = [int.from_bytes(lay[i:i + 8], "little") for i in range(0, 56, 8)]
-        if words[0] != self._nodes or words[5] != self._total() or \
-                base + words[5] > self._heap_hi:
+        cdef kv_header h
+        self._read_header(base, &h)
+        self._check_scheme(&h.geometry)
+        if h.layout.nodes != self._nodes or h.layout.total != self._total() or \
+                base + h.layout.total > self._heap_hi:
             raise RegionError(f"KV cache {self.name!r}: layout does not fit this region (corrupt)")
         sec = self._sections(base)
-        if (words[1], words[2], words[3], words[6]) != sec[:4]:
+        if (h.layout.entries, h.layout.pins, h.layout.stats, h.layout.claims) != sec[:4]:
             raise RegionError(f"KV cache {self.name!r}: section offsets are corrupt")
-        self._entries, self._pins, self._stats, self._claims, self._records = sec
+        self._entries, self._pins, self._stats, self._claims, self._records, _ = sec
 
-    def _check_scheme(self, bytes geo):
-        ours = self._geometry()
-        if geo == ours:
-            return
-        def f(g, a, b):
-            return int.from_bytes(g[a:b], "little")
+    cdef int _check_scheme(self, const kv_geometry* g) except -1:
+        cdef kv_geometry ours
+        self._geo(&ours)
+        if memcmp(g, &ours, sizeof(ours)) == 0:
+            return 0
         diffs = []
-        alg = f(geo, 44, 48)
+        alg = g.algorithm
         if alg != ALGORITHMS[self.algorithm]:
             diffs.append(f"hash algorithm {ALGORITHM_NAMES.get(alg, alg)!r} "
                          f"(you asked for {self.algorithm!r})")
-        if geo[48:64] != self.salt_digest:
-            diffs.append(f"salt digest {geo[48:56].hex()}... (yours is "
+        salt = (<const char*>g.salt_digest)[:sizeof(g.salt_digest)]
+        if salt != self.salt_digest:
+            diffs.append(f"salt digest {salt[:8].hex()}... (yours is "
                          f"{self.salt_digest[:8].hex()}...: another model, dtype, layout or "
                          "tenant salt)")
-        for label, a, b, mine in (("block_tokens", 40, 44, self.block_tokens),
-                                  ("block_bytes", 32, 40, self.block_bytes),
-                                  ("capacity_blocks", 24, 32, self.capacity),
-                                  ("key bytes", 12, 16, KEY_BYTES)):
-            if f(geo, a, b) != mine:
-                diffs.append(f"{label} {f(geo, a, b)} (you asked for {mine})")
+        for label, theirs, mine in (("block_tokens", g.block_tokens, self.block_tokens),
+                                    ("block_bytes", g.block_bytes, self.block_bytes),
+                                    ("capacity_blocks", g.capacity, self.capacity),
+                                    ("key bytes", g.key_bytes, KEY_BYTES)):
+            if theirs != mine:
+                diffs.append(f"{label} {theirs} (you asked for {mine})")
         raise SchemeMismatchError(
             f"KV cache {self.name!r} in {self.region.spec} was created with a different scheme: "
             + "; ".join(diffs or ["geometry words differ"])
@@ -525,7 +588,7 @@ cdef class KVCache:
 
     cdef int _read(self, uint64_t s, kv_entry* e) noexcept nogil:
         """Observe entry `s` as one consistent line (a torn copy is read again)."""
-        cdef uint64_t at = self._entries + s * 64, spins = 0
+        cdef uint64_t at = self._entry_at(s), spins = 0
         cdef int rc, tries
         for tries in range(1000):
             rc = cxl_observe(self.r, at, e, 64)
@@ -542,7 +605,7 @@ cdef class KVCache:
         CXL_ASSERT(s < self.slots, b"an entry past the table")
         CXL_ASSERT(_state(e) <= KV_EVICTING, b"an entry state that does not exist")
         e.check = _mix(e)
-        return self._put(self._entries + s * 64, e)
+        return self._put(self._entry_at(s), e)
 
     cdef int _fenced(self) noexcept nogil:
         """1 if we were silent past the lease since our hold of the cache lock began:
@@ -612,40 +675,43 @@ cdef class KVCache:
 
     # --- counters (line 2, cache lock held) -----------------------------------------------
 
-    cdef int _counters(self, uint64_t* w) noexcept nogil:
-        """occupancy, payload bytes, records high-water mark."""
-        cdef uint64_t at = self.offset + 128
-        cdef int rc = cxl_observe(self.r, at, w, 24)
+    cdef int _counters(self, kv_counters* w) noexcept nogil:
+        cdef int rc = cxl_observe(self.r, self.offset + KV_AT_COUNTERS, w, KV_COUNTED)
         return rc
 
-    cdef int _set_counters(self, const uint64_t* w) noexcept nogil:
-        cdef uint64_t at = self.offset + 128
+    cdef int _set_counters(self, const kv_counters* w) noexcept nogil:
+        cdef uint64_t at = self.offset + KV_AT_COUNTERS
         cdef int rc
         if self._fenced():
             return CXLRT_E_FENCED
-        rc = cxl_store(self.r, at, w, 24)
+        rc = cxl_store(self.r, at, w, KV_COUNTED)
         if rc == 0:
-            rc = cxl_persist(self.r, at, 64)
+            rc = cxl_persist(self.r, at, sizeof(kv_counters))
         return rc
 
     def _occupancy(self):
-        cdef uint64_t w[3]
-        self._io(self._counters(w), "counters")
-        return w[0]
+        cdef kv_counters w
+        self._io(self._counters(&w), "counters")
+        return w.occupancy
+
+    cdef int _add_occupancy_c(self, long long d, long long nbytes) noexcept nogil:
+        cdef kv_counters w
+        cdef int rc = self._counters(&w)
+        if rc != 0:
+            return rc
+        w.occupancy = <uint64_t>max(0, <long long>w.occupancy + d)
+        w.payload_bytes = <uint64_t>max(0, <long long>w.payload_bytes + nbytes)
+        return self._set_counters(&w)
 
     def _add_occupancy(self, long long d, long long nbytes):
-        cdef uint64_t w[3]
-        self._io(self._counters(w), "counters")
-        w[0] = <uint64_t>max(0, <long long>w[0] + d)
-        w[1] = <uint64_t>max(0, <long long>w[1] + nbytes)
-        self._io(self._set_counters(w), "counters")
+        self._io(self._add_occupancy_c(d, nbytes), "counters")
 
     def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
-        cdef uint64_t w[3]
-        self._io(self._counters(w), "counters")
-        w[0] = occ
-        w[1] = nbytes
-        self._io(self._set_counters(w), "counters")
+        cdef kv_counters w
+        self._io(self._counters(&w), "counters")
+        w.occupancy = occ
+        w.payload_bytes = nbytes
+        self._io(self._set_counters(&w), "counters")
 
     # --- identity -----------------------------------------------------------------------
 
@@ -668,107 +734,126 @@ cdef class KVCache:
 
     cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff:
         """Node `node`'s current incarnation (its area's word 2)."""
-        cdef uint64_t at = self.region.node_area(node), v = 0
-        cdef int rc = cxl_observe64(self.r, at + 16, &v)
+        cdef uint64_t at = self.region.node_area(node) + NODE_INCARNATION, v = 0
+        cdef int rc = cxl_observe64(self.r, at, &v)
         self._io(rc, "node area")
         return v
 
     # --- records (cache lock held) ----------------------------------------------------------
 
-    cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
+    # Each step is a `noexcept nogil` function returning a status, so that an eviction
+    # batch runs under one release of the GIL; the `except -1` wrappers below it raise
+    # for the Python-level paths (takeovers, settle, delete).
+
+    cdef int _rec_top_c(self, uint64_t* top) noexcept nogil:
         """How many record lines to scan: the high-water mark."""
-        cdef uint64_t w[3]
-        self._io(self._counters(w), "records")
-        return min(w[2], self._nrec)
+        cdef kv_counters w
+        cdef int rc = self._counters(&w)
+        top[0] = min(w.records, self._nrec) if rc == 0 else 0
+        return rc
 
-    cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(self._get(self._records + i * 64, c), "records")
-
-    cdef int _rec_alloc(self) except -2:
-        """A free record line, or -1 when every one is in use."""
+    cdef int _rec_alloc_c(self, long long* out) noexcept nogil:
+        """A free record line in out, or -1 when every one is in use."""
         cdef kv_claim c
-        cdef uint64_t w[3]
+        cdef kv_counters w
         cdef uint64_t i
-        self._io(self._counters(w), "records")
-        for i in range(min(w[2], self._nrec)):
-            self._rec_get(i, &c)
+        cdef int rc = self._counters(&w)
+        out[0] = -1
+        if rc != 0:
+            return rc
+        for i in range(min(w.records, self._nrec)):
+            rc = self._get(self._record_at(i), &c)
+            if rc != 0:
+                return rc
             if _zero(&c):
-                return <int>i
-        if w[2] >= self._nrec:
-            return -1
-        w[2] += 1  # published before the record: a scan may see a free line, never miss one
-        self._io(self._set_counters(w), "records")
-        return <int>(w[2] - 1)
+                out[0] = <long long>i
+                return 0
+        if w.records >= self._nrec:
+            return 0
+        w.records += 1  # published before the record: a scan may see a free line, never miss one
+        rc = self._set_counters(&w)
+        if rc == 0:
+            out[0] = <long long>(w.records - 1)
+        return rc
 
-    cdef int _rec_put(self, uint64_t i, kv_claim* c) except -1:
+    cdef int _rec_put_c(self, uint64_t i, kv_claim* c) noexcept nogil:
         c.check = _mix(c)
-        return self._io(self._put(self._records + i * 64, c), "records")
+        return self._put(self._record_at(i), c)
 
-    cdef int _rec_clear(self, uint64_t i) except -1:
+    cdef int _rec_clear_c(self, uint64_t i) noexcept nogil:
         """Free record i, and lower the high-water mark past free lines at the top."""
         cdef kv_claim c
-        cdef uint64_t w[3]
+        cdef kv_counters w
         cdef uint64_t top
+        cdef int rc
         memset(&c, 0, 64)
-        self._io(self._put(self._records + i * 64, &c), "records")
-        self._io(self._counters(w), "records")
-        top = min(w[2], self._nrec)
+        rc = self._put(self._record_at(i), &c)
+        if rc == 0:
+            rc = self._counters(&w)
+        if rc != 0:
+            return rc
+        top = min(w.records, self._nrec)
         if i + 1 != top:
             return 0
         while top > 0:
-            self._io(self._get(self._records + (top - 1) * 64, &c), "records")
+            rc = self._get(self._record_at(top - 1), &c)
+            if rc != 0:
+                return rc
             if not _zero(&c):
                 break
             top -= 1
-        w[2] = top
-        return self._io(self._set_counters(w), "records")
+        w.records = top
+        return self._set_counters(&w)
 
-    cdef int _free_payload(self, uint64_t off) except -1:
+    cdef int _free_payload_c(self, uint64_t off) noexcept nogil:
         """free() a payload nobody references; a failure leaves a DEFERRED record."""
         cdef kv_claim c
-        cdef int i
+        cdef long long i
+        cdef int rc
         if self._fenced():
-            self._raise(CXLRT_E_FENCED, "free")
-        try:
-            self.region.free(off)
-            return 0
-        except InvalidFreeError:
-            return 0  # not a live object (already free): nothing to give back
-        except Exception:
-            pass  # e.g. the owner's remote-free queue is full: retry later
-        i = self._rec_alloc()
-        if i < 0:
-            return 0  # no line to remember it in: this payload leaks (a full table)
+            return CXLRT_E_FENCED
+        rc = cxl_free(&self._heap.A, off)
+        if rc == 0 or rc == CXLRT_E_BADFREE or rc == CXLRT_E_DOUBLEFREE:
+            return 0  # given back, or not a live object (already free): nothing to do
+        # e.g. the owner's remote-free queue is full: retry later
+        rc = self._rec_alloc_c(&i)
+        if rc != 0 or i < 0:
+            return rc  # no line to remember it in: this payload leaks (a full table)
         memset(&c, 0, 64)
         c.tag = KV_REC_DEFERRED
         c.off = off
-        return self._rec_put(i, &c)
+        return self._rec_put_c(<uint64_t>i, &c)
 
-    cdef int _give_back(self, uint64_t i, uint64_t off) except -1:
+    cdef int _give_back_c(self, uint64_t i, uint64_t off) noexcept nogil:
         """Free the payload record i names. The record goes first: a crash between
         the two leaks the payload, never frees it twice."""
-        self._rec_clear(i)
-        return self._free_payload(off)
+        cdef int rc = self._rec_clear_c(i)
+        if rc != 0:
+            return rc
+        return self._free_payload_c(off)
 
-    cdef int _complete(self, uint64_t i, kv_claim* c) except -1:
+    cdef int _complete_c(self, uint64_t i, kv_claim* c) noexcept nogil:
         """Finish record i once its entry no longer holds the payload."""
         if _kind(c) == KV_REC_TAKE:
             c.tag = (c.tag & ~(<uint64_t>0xff)) | KV_REC_QUARANTINE
-            return self._rec_put(i, c)
-        return self._give_back(i, c.off)
+            return self._rec_put_c(i, c)
+        return self._give_back_c(i, c.off)
 
-    cdef int _bury(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
-                   str what) except -1:
+    cdef int _bury_c(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
+                     int* buried) noexcept nogil:
         """Take entry s's payload out of the index (cache lock held): a record, the
         tombstone (generation + 1: the claim's epoch is over), then the payload is
-        freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). Returns 0 when no record
-        line is free (nothing changed), 1 when buried."""
+        freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). `buried` gets 0 when no
+        record line is free (nothing changed), 1 when buried. The occupancy counter
+        is the caller's (a batch updates it once)."""
         cdef kv_claim c
-        cdef int i, rc
+        cdef long long i
+        cdef int rc
         CXL_ASSERT(_holds(e), b"burying an entry that holds no payload")
-        i = self._rec_alloc()
-        if i < 0:
-            return 0
+        buried[0] = 0
+        rc = self._rec_alloc_c(&i)
+        if rc != 0 or i < 0:
+            return rc
         if who != NULL:
             memcpy(&c, who, 64)
         else:
@@ -777,22 +862,63 @@ cdef class KVCache:
         c.off = e.off
         c.epoch = _gen(e)
         c.slot = s
-        self._rec_put(i, &c)
+        rc = self._rec_put_c(<uint64_t>i, &c)
+        if rc != 0:
+            return rc
         if unlikely(_armed[0]):
             cxl_crash_hit(b"kv.evict.intent")
         memset(<void*>e.key, 0, 16)
         e.meta = ((_gen(e) + 1) << 8) | KV_TOMBSTONE
         e.off = e.len = e.owner = 0
-        with nogil:
-            rc = self._write(s, e)
-        self._io(rc, what)
+        rc = self._write(s, e)
+        if rc != 0:
+            return rc
+        buried[0] = 1
         if unlikely(_armed[0]):
             cxl_crash_hit(b"kv.evict.tombstone")
-        # From the tombstone on, nothing raises but a backend failure: the record
-        # finishes the job for the next lock holder if we die here.
-        self._complete(i, &c)
-        self._add_occupancy(-1, -<long long>self.block_bytes)
-        return 1
+        # From the tombstone on, nothing fails but the backend: the record finishes
+        # the job for the next lock holder if we die here.
+        return self._complete_c(<uint64_t>i, &c)
+
+    cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
+        cdef uint64_t top = 0
+        self._io(self._rec_top_c(&top), "records")
+        return top
+
+    cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
+        return self._io(self._get(self._record_at(i), c), "records")
+
+    cdef int _rec_alloc(self) except -2:
+        cdef long long i = -1
+        self._io(self._rec_alloc_c(&i), "records")
+        return <int>i
+
+    cdef int _rec_put(self, uint64_t i, kv_claim* c) except -1:
+        return self._io(self._rec_put_c(i, c), "records")
+
+    cdef int _rec_clear(self, uint64_t i) except -1:
+        return self._io(self._rec_clear_c(i), "records")
+
+    cdef int _free_payload(self, uint64_t off) except -1:
+        return self._io(self._free_payload_c(off), "free")
+
+    cdef int _give_back(self, uint64_t i, uint64_t off) except -1:
+        return self._io(self._give_back_c(i, off), "records")
+
+    cdef int _complete(self, uint64_t i, kv_claim* c) except -1:
+        return self._io(self._complete_c(i, c), "records")
+
+    cdef int _bury(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
+                   str what) except -1:
+        """_bury_c for one entry, with its occupancy: 1 when buried, 0 when no record
+        line is free (nothing changed)."""
+        cdef int rc, buried = 0
+        with nogil:
+            rc = self._bury_c(s, e, kind, who, &buried)
+        self._io(rc, what)
+        if buried:
+            self._add_occupancy(-1, -<long long>self.block_bytes)
+        return buried
 
     cdef int _settle(self) except -1:
         """Finish what the records describe (cache lock held): drop an eviction or
@@ -907,15 +1033,15 @@ cdef class KVCache:
     cdef int _wipe_header(self, uint64_t off) except -1:
         """Zero a quarantined payload's header before it is freed: a stale hit's load
         that checks it after this fails, whatever the memory is reused for."""
-        cdef uint64_t h[8]
+        cdef kv_payload_header h
         cdef int rc
         if self._fenced():
             self._raise(CXLRT_E_FENCED, "free")
         if off % 64 or off < self._heap_lo or off + KV_PAYLOAD_HDR > self._heap_hi:
             return 0  # not a payload offset (a corrupt record): nothing to wipe
-        memset(h, 0, sizeof(h))
+        memset(&h, 0, sizeof(h))
         with nogil:
-            rc = cxl_dma_write(self.r, off, h, 64)
+            rc = cxl_dma_write(self.r, off, &h, sizeof(h))
         return self._io(rc, "free")
 
     # --- judging a writer ------------------------------------------------------------------
@@ -923,7 +1049,7 @@ cdef class KVCache:
     cdef int _claim_of(self, uint64_t s, const kv_entry* e, kv_claim* c) except -1:
         """Entry s's claim line if it is the claim of this entry (1); else (0) a claim
         made up from the entry's owner word, whose identity nobody can check."""
-        self._io(self._get(self._claims + s * 64, c), "claims")
+        self._io(self._get(self._claim_at(s), c), "claims")
         if (_line_ok(c) and _kind(c) == KV_REC_CLAIM and c.epoch == _gen(e)
                 and c.off == e.off and c.slot == s):
             return 1
@@ -997,7 +1123,7 @@ cdef class KVCache:
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held)."""
-        cdef uint64_t at = self._stats + self._node * KV_ST_WORDS * 8, any = 0
+        cdef uint64_t at = self._stats_at(self._node), any = 0
         cdef uint64_t w[KV_ST_WORDS]
         cdef int rc, i
         for i in range(KV_ST_WORDS):
@@ -1044,6 +1170,43 @@ cdef class KVCache:
             raise ValueError(f"KV cache {self.name!r} is closed")
         if self.r.closed:
             self.region._rc(CXLRT_E_CLOSED, "KV cache", 0, 0)
+        if self._orphans:
+            self._reap()
+
+    # --- hits dropped without release() ------------------------------------------------
+    # Hit.__dealloc__ may run anywhere the GIL is held, also while another thread of
+    # this process holds the pin mutex and waits for the GIL: it must not take the
+    # mutex. It leaves its slots here; the next call of this cache (or close()) gives
+    # them back. Until then they pin their blocks: too many pins, never too few.
+
+    cdef void _orphan(self, const uint64_t* slots, uint64_t n) noexcept:
+        if self._orphans_pid != cxl_pid():  # a forked child: those are its parent's
+            self._orphans = []
+            self._orphans_pid = cxl_pid()
+        try:
+            self._orphans.append(PyBytes_FromStringAndSize(<const char*>slots, n * 8))
+        except MemoryError:
+            pass  # they stay pinned until close() gives every pin of ours back
+
+    cdef int _reap(self) except -1:
+        cdef bytes b
+        cdef int rc
+        cdef const uint64_t* slots
+        cdef uint64_t n
+        if self._orphans_pid != cxl_pid():
+            self._orphans = []
+            self._orphans_pid = cxl_pid()
+            return 0
+        while self._orphans:
+            b = self._orphans.pop()
+            slots = <const uint64_t*>PyBytes_AS_STRING(b)
+            n = <uint64_t>PyBytes_GET_SIZE(b) // 8
+            with nogil:
+                rc = self._unpin(slots, n, NULL)
+            if rc != 0:
+                self._orphans.append(b)
+                self._raise(rc, "release")
+        return 0
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -1105,7 +1268,7 @@ cdef class KVCache:
             # the line before it loads it: the prefetch would be thrown away).
             for j in range(hit.n):
                 memcpy(&h, hit.key(j), 8)
-                cxl_prefetch(self.r.base + self._entries + (h & self._mask) * 64)
+                cxl_prefetch(self.r.base + self._entry_at(h & self._mask))
         for j in range(hit.n):
             found = self._probe(hit.key(j), &s, &e, &free_slot)
             if found < 0:
@@ -1143,7 +1306,7 @@ cdef class KVCache:
         keep = m
         for j in range(m):
             w = 0
-            rc = cxl_observe64(self.r, self._entries + hit.slots[j] * 64 + KV_ENTRY_META, &w)
+            rc = cxl_observe64(self.r, self._entry_at(hit.slots[j]) + KV_ENTRY_META, &w)
             want = (hit.gens[j] << 8) | KV_READY
             if rc != 0 or w != want:
                 keep = j
@@ -1210,12 +1373,12 @@ cdef class KVCache:
 
     cdef int _check_payload(self, Hit hit, uint64_t i) noexcept nogil:
         """The pinned payload's header must still name this key and generation."""
-        cdef uint64_t h[8]
-        cdef int rc = cxl_dma_read(self.r, hit.offs[i], h, 64)
+        cdef kv_payload_header h
+        cdef int rc = cxl_dma_read(self.r, hit.offs[i], &h, sizeof(h))
         if rc != 0:
             return rc
-        if h[0] != PMAGIC or h[3] != hit.gens[i] or h[4] != self.block_bytes \
-                or h[5] != self.offset or memcmp(&h[1], hit.key(i), KV_KEY_BYTES) != 0:
+        if h.magic != PMAGIC or h.generation != hit.gens[i] or h.block_bytes != self.block_bytes \
+                or h.cache != self.offset or memcmp(h.key, hit.key(i), KV_KEY_BYTES) != 0:
             self._bad_slot = hit.slots[i]
             return CXLRT_E_KVCORRUPT
         return 0
@@ -1536,7 +1699,7 @@ cdef class KVCache:
         with nogil:
             rc = self._read(s, &e)
             if rc == 0:
-                rc = self._get(self._claims + s * 64, &old)
+                rc = self._get(self._claim_at(s), &old)
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
@@ -1566,7 +1729,7 @@ cdef class KVCache:
         e.stamp_ns = cxl_wall_ns()
         CXL_ASSERT(self._payload_ok(&e), b"reserved payload outside the heap or misaligned")
         with nogil:
-            rc = self._put(self._claims + s * 64, &c)
+            rc = self._put(self._claim_at(s), &c)
             if rc == 0:
                 rc = self._write(s, &e)
         if rc != 0:
@@ -1607,22 +1770,22 @@ cdef class KVCache:
             self._raise(rc, "store")
 
     cdef int _copy_jobs(self, kv_job* jobs, uint64_t n) noexcept nogil:
-        cdef uint64_t h[8]
+        cdef kv_payload_header h
         cdef uint64_t i, pos, step, bb = self.block_bytes, last, chunk
         cdef uint64_t prog = self._progress + 1
         cdef int rc = 0
         # Two chunks at least, so a block always has a "half copied" point.
         chunk = min(<uint64_t>KV_COPY_CHUNK, max(<uint64_t>64, ((bb + 1) // 2 + 63) & ~63ULL))
         for i in range(n):
-            memset(h, 0, sizeof(h))
-            h[0] = PMAGIC
-            memcpy(&h[1], jobs[i].key, 16)
-            h[3] = jobs[i].gen
-            h[4] = bb
-            h[5] = self.offset
-            h[6] = prog
-            h[7] = self._node | (<uint64_t>self._id_pid << 16)
-            rc = cxl_dma_write(self.r, jobs[i].off, h, 64)
+            memset(&h, 0, sizeof(h))
+            h.magic = PMAGIC
+            memcpy(h.key, jobs[i].key, KV_KEY_BYTES)
+            h.generation = jobs[i].gen
+            h.block_bytes = bb
+            h.cache = self.offset
+            h.progress = prog
+            h.writer = self._node | (<uint64_t>self._id_pid << 16)
+            rc = cxl_dma_write(self.r, jobs[i].off, &h, sizeof(h))
             if rc != 0:
                 return rc
         last = cxl_now_ns()
@@ -1796,6 +1959,7 @@ cdef class KVCache:
         # Some slack: a candidate a lookup pins between the scan and its EVICTING mark
         # stays, and the next oldest goes instead.
         cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(2 * want + 8, self.slots)
+        cdef uint64_t batch = 0, freed = 0
         cdef int rc, verdict
         cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * 8)
         if cands == NULL:
@@ -1809,7 +1973,6 @@ cdef class KVCache:
             # The scan saw every entry under the lock: the exact count, whatever a
             # crash between an entry write and a counter update left behind.
             self._set_occupancy(used, used * self.block_bytes)
-            freed = 0
             # Every writer is judged (a judgement watches its progress across calls);
             # those judged gone go first (their blocks can never become ready), then
             # the oldest unpinned blocks, oldest first.
@@ -1830,11 +1993,12 @@ cdef class KVCache:
                     freed += 1
             if nc > 1:
                 qsort(cands, nc, sizeof(kv_cand), _cand_cmp)
-            for i in range(nc):
-                if freed >= want:
-                    break
-                if self._evict_one(cands[i].slot, 0):
-                    freed += 1
+            if freed < want:
+                with nogil:
+                    rc = self._evict_batch(cands, nc, want - freed, &batch)
+                self._pending()[KV_ST_EVICTIONS] += batch
+                freed += batch
+                self._io(rc, "evict")
         finally:
             free(cands)
         if freed:
@@ -1885,59 +2049,91 @@ cdef class KVCache:
         return 0
 
     def _evict_one(self, uint64_t s, int verdict):
+        """Evict slot s: a writer judged gone a moment ago under this same hold
+        (verdict != 0), or the least recently used block (verdict 0)."""
+        cdef kv_entry e
+        cdef kv_claim c
+        cdef int rc, freed = 0
+        if verdict == 0:
+            with nogil:
+                rc = self._evict_ready(s, &freed)
+            if freed:
+                self._pending()[KV_ST_EVICTIONS] += 1
+            self._io(rc, "evict")
+            if freed:
+                self._add_occupancy(-1, -<long long>self.block_bytes)
+            return freed
+        with nogil:
+            rc = self._read(s, &e)
+        self._io(rc, "evict")
+        if _state(&e) != KV_WRITING:
+            return False
+        self._claim_of(s, &e, &c)
+        if not self._payload_ok(&e):
+            self._bad_slot = s
+            self._raise(CXLRT_E_KVCORRUPT, "evict")
+        if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
+            return False
+        self._pending()[KV_ST_EVICTIONS] += 1
+        return True
+
+    cdef int _evict_ready(self, uint64_t s, int* freed) noexcept nogil:
+        """Evict the ready block in slot s unless a reader pins it (cache lock held):
+        freed gets 1 when it went. The occupancy counter is the caller's."""
         cdef kv_entry e
         cdef kv_claim c
         cdef uint64_t rec = 0, gen, gone = 0
         cdef int rc
-        with nogil:
-            rc = self._read(s, &e)
+        freed[0] = 0
+        rc = self._read(s, &e)
         if rc != 0:
-            self._raise(rc, "evict")
+            return rc
+        if _state(&e) != KV_READY and _state(&e) != KV_EVICTING:
+            return 0
         gen = _gen(&e)
-        if verdict:  # a writer judged gone a moment ago, under this same hold
-            if _state(&e) != KV_WRITING:
-                return False
-            self._claim_of(s, &e, &c)
-            if not self._payload_ok(&e):
-                self._bad_slot = s
-                self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
-                return False
-        else:
-            if _state(&e) not in (KV_READY, KV_EVICTING):
-                return False
-            e.meta = (gen << 8) | KV_EVICTING
-            with nogil:
-                rc = self._write(s, &e)  # ends with a full fence: then read the pins
-                if rc == 0:
-                    rc = self._pinned(s, &rec, &gone)
-            if rc < 0:
-                self._raise(rc, "evict")
-            # a reader pinned it meanwhile: it stays
-            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
-                e.meta = (gen << 8) | KV_READY
-                with nogil:
-                    rc = self._write(s, &e)
-                if rc != 0:
-                    self._raise(rc, "evict")
-                return False
-            if not self._payload_ok(&e):
-                self._bad_slot = s
-                self._raise(CXLRT_E_KVCORRUPT, "evict")
-            if gone and not CXLRT_TEST_HOOK(self._ignore_pins) and not CXLRT_TEST_HOOK(
-                    self._no_quarantine):
-                # Pins of nodes judged gone: a stalled one may resume and read through
-                # them, so the payload is quarantined under their names, not freed.
-                memset(&c, 0, 64)
-                c.tag = <uint64_t>_lowest(gone) << 8
-                c.start = gone
-                c.where = KV_PIN_WHERE
-                if not self._bury(s, &e, KV_REC_TAKE, &c, "evict"):
-                    return False  # no record line free: it stays (EVICTING reads as a miss)
-            elif not self._bury(s, &e, KV_REC_EVICT, NULL, "evict"):
-                return False  # no record line free: it stays (EVICTING reads as a miss)
-        self._pending()[KV_ST_EVICTIONS] += 1
-        return True
+        e.meta = (gen << 8) | KV_EVICTING
+        rc = self._write(s, &e)  # ends with a full fence: then read the pins
+        if rc != 0:
+            return rc
+        rc = self._pinned(s, &rec, &gone)
+        if rc < 0:
+            return rc
+        if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
+            e.meta = (gen << 8) | KV_READY  # a reader pinned it meanwhile: it stays
+            return self._write(s, &e)
+        if not self._payload_ok(&e):
+            self._bad_slot = s
+            return CXLRT_E_KVCORRUPT
+        if gone and not CXLRT_TEST_HOOK(self._ignore_pins) and not CXLRT_TEST_HOOK(
+                self._no_quarantine):
+            # Pins of nodes judged gone: a stalled one may resume and read through
+            # them, so the payload is quarantined under their names, not freed.
+            memset(&c, 0, 64)
+            c.tag = <uint64_t>_lowest(gone) << 8
+            c.start = gone
+            c.where = KV_PIN_WHERE
+            return self._bury_c(s, &e, KV_REC_TAKE, &c, freed)
+        # no record line free: it stays (EVICTING reads as a miss)
+        return self._bury_c(s, &e, KV_REC_EVICT, NULL, freed)
+
+    cdef int _evict_batch(self, const kv_cand* cands, uint64_t nc, uint64_t want,
+                          uint64_t* freed) noexcept nogil:
+        """Evict up to `want` of the candidates, oldest first, under one release of
+        the GIL (cache lock held); then one occupancy update for all of them."""
+        cdef uint64_t i
+        cdef int rc = 0, one
+        freed[0] = 0
+        for i in range(nc):
+            if freed[0] >= want:
+                break
+            rc = self._evict_ready(cands[i].slot, &one)
+            freed[0] += <uint64_t>one
+            if rc != 0:
+                break
+        if freed[0] and rc == 0:
+            rc = self._add_occupancy_c(-<long long>freed[0],
+                                       -<long long>(freed[0] * self.block_bytes))
+        return rc
 
     def _sweep_tombstones(self):
         """Empty the tombstones no present key's probe walks through (cache lock held)."""
@@ -2039,17 +2235,20 @@ cdef class KVCache:
         payloads on their way back to the allocator (quarantined, deferred)."""
         self._need_open()
         self._publish_pending()
+        cdef kv_stats ks
+        cdef kv_counters w
+        cdef uint64_t j
+        cdef int rc
         tot = dict.fromkeys(STAT_NAMES, 0)
-        r = self.region
         for j in range(self._nodes):
-            at = self._stats + j * KV_ST_WORDS * 8
-            r.flush(at, 64)
-            raw = r.load(at, 64)
-            for i, k in enumerate(STAT_NAMES):
-                tot[k] += int.from_bytes(raw[i * 8:i * 8 + 8], "little")
-        r.flush(self.offset + 128, 64)
-        tot["occupancy"] = r.load64(self.offset + 128)
-        tot["payload_bytes"] = r.load64(self.offset + 136)
+            with nogil:
+                rc = cxl_observe(self.r, self._stats_at(j), &ks, sizeof(ks))
+            self._io(rc, "stats")
+            for k, v in _stats_dict(&ks).items():
+                tot[k] += v
+        self._io(self._counters(&w), "stats")
+        tot["occupancy"] = w.occupancy
+        tot["payload_bytes"] = w.payload_bytes
         tot["capacity"] = self.capacity
         tot["block_bytes"] = self.block_bytes
         tot["slots"] = self.slots
@@ -2097,7 +2296,7 @@ cdef class KVCache:
         """Region offset of entry `s` (for tools and tests that inspect the table)."""
         if s >= self.slots:
             raise IndexError(f"slot {s} of {self.slots}")
-        return self._entries + s * 64
+        return self._entry_at(s)
 
     @property
     def closed(self):
@@ -2118,6 +2317,7 @@ cdef class KVCache:
             except Exception:  # noqa: BLE001  (counters only: closing must go on)
                 pass
         self._closed = True
+        self._orphans = []  # the pin table's close gives back every pin of ours
         if self._pt is not None:
             self._pt.close()
 
@@ -2221,7 +2421,7 @@ cdef class Hit:
 
     def __dealloc__(self):
         if self._mine():
-            self.cache._unpin(self.slots, self.n, NULL)
+            self.cache._orphan(self.slots, self.n)  # no lock here (see KVCache._orphan)
         free(self.slots)
 
     def __repr__(self):
@@ -2240,11 +2440,11 @@ cdef list _keys(keys):
     return out
 
 
-cdef uint64_t _fnv(bytes b):
+cdef uint64_t _fnv_c(const unsigned char* p, size_t n) noexcept nogil:
+    """FNV-1a 64: the header checksum (kv_layout.checksum)."""
     cdef uint64_t h = <uint64_t>0xcbf29ce484222325ULL
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(b)
-    cdef Py_ssize_t i
-    for i in range(PyBytes_GET_SIZE(b)):
+    cdef size_t i
+    for i in range(n):
         h = (h ^ p[i]) * <uint64_t>0x100000001b3ULL
     return h
 
@@ -2273,74 +2473,27 @@ def _break_quarantine(KVCache cache):
     cache._no_quarantine = True
 
 
-def _forge_entry(bytes key, uint32_t state, uint64_t gen, uint64_t off, uint64_t length,
-                uint64_t owner=0, uint64_t stamp_ns=0):
-    """The 64 bytes of an entry with a valid check word (tests forge corrupt entries)."""
-    cdef kv_entry e
-    if len(key) != 16:
-        raise ValueError("key must be 16 bytes")
-    memcpy(<void*>e.key, PyBytes_AS_STRING(key), 16)
-    e.meta = (gen << 8) | state
-    e.off = off
-    e.len = length
-    e.owner = owner
-    e.stamp_ns = stamp_ns
-    e.check = _mix(&e)
-    return (<char*>&e)[:64]
+def line_check(line):
+    """The check word (the eighth word) an entry, claim or record line with these
+    first 56 bytes carries: how a reader tells a whole line from a torn one."""
+    cdef bytes raw = bytes(line)
+    cdef uint64_t w[8]
+    if len(raw) < 56:
+        raise ValueError(f"a line's check covers 56 bytes, got {len(raw)}")
+    memset(w, 0, sizeof(w))
+    memcpy(w, PyBytes_AS_STRING(raw), 56)
+    return 0 if _zero(w) else _mix(w)
 
 
-def describe(region, uint64_t dir_off):
-    """Every KV cache named in a region's directory, read by DMA without attaching.
+def header_checksum(head):
+    """The checksum a cache header with these first bytes carries (kv_layout.checksum:
+    FNV-1a 64 over the geometry line and the layout words before it)."""
+    cdef bytes raw = bytes(head)
+    if <uint64_t>len(raw) < KV_SUMMED:
+        raise ValueError(f"a KV cache header's checksum covers {KV_SUMMED} bytes, got {len(raw)}")
+    return _fnv_c(<const unsigned char*>PyBytes_AS_STRING(raw), KV_SUMMED)
 
-    For `cxlrt info`: geometry, occupancy, pins and the counters summed over nodes. A
-    cache whose header cannot be right is listed with an "error".
-    """
-    import struct
-    from cxlrt import layoutinfo
-    from cxlrt.directory import dma_items
-    from cxlrt.formats import Format
-    geometry, layout, counters = Format("kv_geometry"), Format("kv_layout"), Format("kv_counters")
-    at = {m.name: m.offset for m in layoutinfo.fields("kv_header")}
-    summed = at["layout"] + layoutinfo.offset("kv_layout", "checksum")
-    out = []
-    for name, off in dma_items(region, dir_off):
-        if not name.startswith(DIR_PREFIX):
-            continue
-        item = {"name": name[len(DIR_PREFIX):], "offset": off}
-        try:
-            head = region.dma_read(off, KV_HEADER)
-            g = geometry.unpack(head, at["geometry"])
-            lay = layout.unpack(head, at["layout"])
-            if g.magic != MAGIC or _fnv(head[:summed]) != lay.checksum:
-                raise RegionError("not a KV cache header")
-            if g.version != VERSION:
-                raise RegionError(f"on-media format {g.version}; this build reads {VERSION}")
-            item.update(slots=g.slots, capacity_blocks=g.capacity, block_bytes=g.block_bytes,
-                        block_tokens=g.block_tokens,
-                        algorithm=ALGORITHM_NAMES.get(g.algorithm, str(g.algorithm)),
-                        salt_digest=g.salt_digest.hex(),
-                        occupancy=counters.unpack(head, at["counters"]).occupancy)
-            totals = dict.fromkeys(STAT_NAMES, 0)
-            for j in range(lay.nodes):
-                words = struct.unpack(f"<{KV_ST_WORDS}Q", region.dma_read(
-                    lay.stats + j * KV_ST_WORDS * 8, KV_ST_WORDS * 8))
-                for k, v in zip(STAT_NAMES, words, strict=True):
-                    totals[k] += v
-            item.update(totals)
-            # Pin words: one per node and slot, the count in the low bits. A block
-            # pinned anywhere cannot be evicted: what an operator wants to see.
-            slots, nodes = g.slots, lay.nodes
-            if slots > (1 << 24) or nodes > 64:
-                raise RegionError(f"{slots} slots x {nodes} nodes is not a KV cache's shape")
-            per_node, pinned = [], set()
-            for j in range(nodes):
-                raw = region.dma_read(lay.pins + j * slots * 8, slots * 8)
-                counts = [v & KV_PIN_MAX for v in struct.unpack(f"<{slots}Q", raw)]
-                per_node.append(sum(counts))
-                pinned.update(k for k, c in enumerate(counts) if c)
-            item.update(pins=sum(per_node), pins_by_node=per_node,
-                        pinned_blocks=len(pinned))
-        except (RegionError, IndexError, struct.error) as e:
-            item["error"] = str(e)
-        out.append(item)
-    return out
+
+FORMAT_MAGIC = MAGIC      # kv_geometry.magic of a complete cache object
+FORMAT_VERSION = VERSION  # the on-media format this build reads and writes
+PIN_COUNT_MASK = KV_PIN_MAX  # a pin word's count bits

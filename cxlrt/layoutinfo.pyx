@@ -22,7 +22,7 @@ from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, C
                            cxl_rfree_link, cxl_rfree_queue, cxl_section, cxl_small_header,
                            cxl_superblock, kv_counters, kv_geometry, kv_header, kv_layout,
                            kv_payload_header)
-from cxlrt.kvcache cimport kv_claim, kv_entry
+from cxlrt.kvcache cimport kv_claim, kv_entry, kv_stats
 
 import struct
 from collections import namedtuple
@@ -264,6 +264,18 @@ m.add("cache", &kp.cache, sizeof(kp.cache), cython.typeof(kp.cache))
 m.add("progress", &kp.progress, sizeof(kp.progress), cython.typeof(kp.progress))
 m.add("writer", &kp.writer, sizeof(kp.writer), cython.typeof(kp.writer))
 _register("kv_payload_header", sizeof(kp), m)
+
+cdef kv_stats ks
+m = _begin(&ks)
+m.add("lookups", &ks.lookups, sizeof(ks.lookups), cython.typeof(ks.lookups))
+m.add("hits", &ks.hits, sizeof(ks.hits), cython.typeof(ks.hits))
+m.add("misses", &ks.misses, sizeof(ks.misses), cython.typeof(ks.misses))
+m.add("stores", &ks.stores, sizeof(ks.stores), cython.typeof(ks.stores))
+m.add("skipped", &ks.skipped, sizeof(ks.skipped), cython.typeof(ks.skipped))
+m.add("evictions", &ks.evictions, sizeof(ks.evictions), cython.typeof(ks.evictions))
+m.add("bytes_stored", &ks.bytes_stored, sizeof(ks.bytes_stored), cython.typeof(ks.bytes_stored))
+m.add("bytes_loaded", &ks.bytes_loaded, sizeof(ks.bytes_loaded), cython.typeof(ks.bytes_loaded))
+_register("kv_stats", sizeof(ks), m)
 
 cdef kv_entry ke
 m = _begin(&ke)

@@ -22,7 +22,7 @@ from cxlrt import superblock as sb
 from cxlrt.alloc import class_geometry
 from cxlrt.formats import Format
 from cxlrt.hashing import block_hashes
-from cxlrt.kvcache import describe
+from cxlrt.kvinspect import describe
 from cxlrt.lock import read_header, record_offset
 
 FORMATS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from contextlib import contextmanager
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import cxlrt
-from cxlrt.kvcache import _break_pin_protocol, _forge_entry
+from cxlrt.kvcache import _break_pin_protocol
+from tests.kvforge import forge_entry
 from tests.nodes import _CTX, raise_failures, run_procs
 
 BB = 4096  # block bytes in most tests
@@ -562,7 +564,7 @@ def _corrupt(r, c, key, *, off=None, length=None, raw=None):
     e = next(e for e in c.entries() if e["key"] == key)
     at = c.slot_offset(e["slot"])
     if raw is None:
-        raw = _forge_entry(key, 2, e["generation"], e["offset"] if off is None else off,
+        raw = forge_entry(key, 2, e["generation"], e["offset"] if off is None else off,
                           e["length"] if length is None else length)
     r.store(at, raw)
     r.persist(at, 64)
@@ -693,6 +695,54 @@ def test_eviction_recovers_pins_of_its_own_nodes_dead_process(backend):
     more, stored = store_new(c, 1)
     assert stored == more  # found nothing, healed, evicted
     r.close()
+
+
+def _drop_hit_under_a_held_pin_mutex(spec):
+    """Exit 0 when dropping an unreleased hit did not wait for the pin mutex (held
+    by another thread of this process) and the next call gave its pins back."""
+    r = cxlrt.open(spec, node=0)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    hit = c.lookup(keys)
+    assert len(hit) == 8
+    held, go = threading.Event(), threading.Event()
+
+    def hold():
+        with r.lock("kvp:kv"):  # the cache's pin mutex (node-local tier)
+            held.set()
+            go.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    t0 = time.monotonic()
+    del hit  # the last reference: Hit.__dealloc__ runs here, with the GIL held
+    took = time.monotonic() - t0
+    go.set()
+    t.join()
+    if took > 1.0:
+        os._exit(3)
+    more, stored = store_new(c, 1)
+    os._exit(0 if stored == more else 4)  # 4: the dropped hit's pins were kept
+
+
+def test_a_dropped_hit_takes_no_lock_and_its_pins_go_back_at_the_next_call(backend):
+    """STYLE rule 7: __dealloc__ never takes a lock. A hit dropped while another
+    thread holds the pin mutex used to wait for it with the GIL held, and that
+    thread needs the GIL to let go: a deadlock. Now the pins wait for the cache's
+    next call."""
+    r, c, keys = filled(backend, nodes=1)
+    r.close()
+    p = _CTX.Process(target=_drop_hit_under_a_held_pin_mutex, args=(backend.spec(),))
+    p.start()
+    p.join(30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail("dropping a hit deadlocked on the pin mutex")
+    assert p.exitcode == 0, {3: "dropping a hit waited for the pin mutex",
+                             4: "a dropped hit's pins were not given back"}.get(p.exitcode,
+                                                                                 p.exitcode)
 
 
 def test_a_forked_child_cannot_release_its_parents_pins(backend):

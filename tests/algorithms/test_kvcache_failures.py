@@ -17,6 +17,7 @@ import pytest
 import cxlrt
 import cxlrt.crash
 import cxlrt.kvcache
+import cxlrt.kvinspect
 from cxlrt.lock import LeaseLost
 from tests.algorithms.test_kvcache import BB, block_for, chain, filled, open_cache
 from tests.nodes import _CTX
@@ -480,7 +481,7 @@ def test_a_process_stalled_at_a_kv_crash_point_past_the_lease(backend, point, ke
 def _pins_of(r, node):
     """Pins node `node` holds on the region's KV cache, as its pin words say."""
     dir_off = r.sections["directory"][0]
-    return cxlrt.kvcache.describe(r, dir_off)[0]["pins_by_node"][node]
+    return cxlrt.kvinspect.describe(r, dir_off)[0]["pins_by_node"][node]
 
 
 def _delete_until(c, keys, deadline_s):

@@ -74,6 +74,8 @@ MODULES = [
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),
     ("cxlrt.microbench", "cxlrt/microbench.pyx"),
     ("cxlrt.kvpins", "cxlrt/kvpins.pyx"),
+    ("cxlrt.kvindex", "cxlrt/kvindex.pyx"),
+    ("cxlrt.kvevict", "cxlrt/kvevict.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),

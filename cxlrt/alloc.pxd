@@ -56,6 +56,15 @@ cdef inline uint32_t cxl_size_class(uint64_t n) noexcept nogil:
     return c
 
 
+cdef inline int cxl_alloc(cxl_allocctx* A, uint64_t n, uint64_t* out) noexcept nogil:
+    """n bytes, 64-aligned: a slot of the smallest class that holds them, else a run
+    of whole chunks. 0, or CXLRT_E_NOMEM when there is no room (or a lock status)."""
+    cdef uint32_t c = cxl_size_class(n)
+    if c == CXL_NCLASSES:
+        return cxl_alloc_large(A, n, out)
+    return cxl_alloc_small(A, c, out)
+
+
 # Declared here for the benchmarks (microbench.pyx), which loop over the C calls.
 cdef class Allocator:
     cdef cxl_allocctx A

@@ -1,6 +1,8 @@
 # Prefix KV cache (TraCT's rack-wide prefix cache): lookups and pins without the
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
-# blocks. Layout and invariants: kvcache.pxd.
+# blocks. Layout and invariants: kvcache.pxd. This file is the Python API and the
+# judging of writers; the C index is kvindex.pyx, the eviction pass kvevict.pyx,
+# pins kvpins.pyx, read-only inspection kvinspect.py.
 """The prefix KV cache, and how it survives crashes and stalls of its writers.
 
 Claims and epochs
@@ -103,11 +105,18 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CX
                             cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
                             cxl_flush_nodrain, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
                             cxl_persist, cxl_region, cxl_store)
-from cxlrt.alloc cimport Allocator, cxl_free
+from cxlrt.alloc cimport Allocator, cxl_alloc
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
+from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready, kv_scan, kv_sweep
+from cxlrt.kvindex cimport (KV_PIN_WHERE, kv_add_occupancy, kv_bury, kv_claim_at, kv_cnode,
+                            kv_complete, kv_cpid, kv_entry_at, kv_fenced, kv_free_payload, kv_gen,
+                            kv_get, kv_get_counters, kv_give_back, kv_holds, kv_index, kv_kind,
+                            kv_line_ok, kv_mix, kv_payload_ok, kv_pin_at, kv_probe, kv_put, kv_read,
+                            kv_rec_alloc, kv_rec_clear, kv_rec_put, kv_rec_top, kv_record_at,
+                            kv_same_key, kv_set_counters, kv_state, kv_stats_at, kv_write, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
@@ -116,8 +125,8 @@ from cxlrt.layout cimport (cxl_node_area, kv_counters, kv_geometry, kv_header, k
                            kv_payload_header)
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
-from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CLOSED, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
-                           CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC, CXLRT_E_KVPINS)
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_FENCED, CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC,
+                           CXLRT_E_KVPINS, CXLRT_E_NOMEM)
 
 
 import hashlib
@@ -134,7 +143,6 @@ cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
 cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
 # A record's `where` for a payload evicted despite void pins: no writer, the nodes
 # that pinned it (mask in `start`). A _where_hash() never equals it by chance.
-cdef uint64_t KV_PIN_WHERE = 0x534E4950444956   # "VIDPINS"
 cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef kv_entry _proto
@@ -194,114 +202,7 @@ def _where_hash():
 
 # --- lines ----------------------------------------------------------------------------
 
-cdef inline uint64_t _mix(const void* p) noexcept nogil:
-    """Check word over the first seven words of a line."""
-    cdef const uint64_t* w = <const uint64_t*>p
-    cdef uint64_t h = <uint64_t>0x9E3779B97F4A7C15ULL
-    cdef int i
-    for i in range(7):
-        h = (h ^ w[i]) * <uint64_t>0xff51afd7ed558ccdULL
-        h ^= h >> 29
-    return h | 1  # never 0: an all-zero line is the only line with check 0
-
-
-cdef inline bint _zero(const void* p) noexcept nogil:
-    cdef const uint64_t* w = <const uint64_t*>p
-    cdef int i
-    for i in range(8):
-        if w[i] != 0:
-            return False
-    return True
-
-
-cdef inline bint _line_ok(const void* p) noexcept nogil:
-    return (<const uint64_t*>p)[7] == _mix(p) or _zero(p)
-
-
-cdef inline uint32_t _state(const kv_entry* e) noexcept nogil:
-    return <uint32_t>(e.meta & 0xff)
-
-
-cdef inline uint64_t _gen(const kv_entry* e) noexcept nogil:
-    return e.meta >> 8
-
-
-cdef inline bint _same_key(const kv_entry* e, const char* k) noexcept nogil:
-    return memcmp(<const void*>e.key, k, 16) == 0
-
-
-cdef inline uint32_t _kind(const kv_claim* c) noexcept nogil:
-    return <uint32_t>(c.tag & 0xff)
-
-
-cdef inline uint32_t _cnode(const kv_claim* c) noexcept nogil:
-    return <uint32_t>((c.tag >> 8) & 0xffff)
-
-
-cdef inline uint64_t _cpid(const kv_claim* c) noexcept nogil:
-    return c.tag >> 24
-
-
-cdef inline uint32_t _lowest(uint64_t mask) noexcept nogil:
-    """Index of the lowest set bit of a non-zero mask."""
-    cdef uint32_t j = 0
-    while not (mask >> j) & 1:
-        j += 1
-    return j
-
-
-cdef inline bint _holds(const kv_entry* e) noexcept nogil:
-    """The entry still references its payload (not buried)."""
-    cdef uint32_t st = _state(e)
-    return st == KV_WRITING or st == KV_READY or st == KV_EVICTING
-
-
 # --- the cache ----------------------------------------------------------------------
-
-ctypedef struct kv_cand:       # an eviction candidate (process memory only)
-    uint64_t rec                # last use, ms (an LRU hint)
-    uint64_t slot
-
-
-cdef inline bint _cand_after(const kv_cand* a, const kv_cand* b) noexcept nogil:
-    return a.rec > b.rec or (a.rec == b.rec and a.slot > b.slot)
-
-
-cdef int _cand_cmp(const void* a, const void* b) noexcept nogil:
-    if _cand_after(<const kv_cand*>a, <const kv_cand*>b):
-        return 1
-    if _cand_after(<const kv_cand*>b, <const kv_cand*>a):
-        return -1
-    return 0
-
-
-cdef void _heap_up(kv_cand* h, uint64_t i) noexcept nogil:
-    """Restore the max-heap (most recent at h[0]) after h[i] was appended."""
-    cdef kv_cand t
-    cdef uint64_t p
-    while i > 0:
-        p = (i - 1) // 2
-        if not _cand_after(&h[i], &h[p]):
-            return
-        t = h[i]; h[i] = h[p]; h[p] = t
-        i = p
-
-
-cdef void _heap_down(kv_cand* h, uint64_t n) noexcept nogil:
-    """Restore the max-heap of n after h[0] was replaced by an older candidate."""
-    cdef kv_cand t
-    cdef uint64_t i = 0, c
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            return
-        if c + 1 < n and _cand_after(&h[c + 1], &h[c]):
-            c += 1
-        if not _cand_after(&h[c], &h[i]):
-            return
-        t = h[i]; h[i] = h[c]; h[c] = t
-        i = c
-
 
 cdef class KVCache:
     """A prefix-aware KV block cache shared by every node of a region.
@@ -329,20 +230,14 @@ cdef class KVCache:
     cdef object _salt
     cdef object _lock                    # the cache lock (entries, claims, records, counters)
     cdef uint32_t _pin_lock              # its node-local mutex guards our pins and stats
-    cdef uint64_t _entries, _pins, _stats, _mask, _heap_lo, _heap_hi, _nodes
-    cdef uint64_t _claims, _records, _nrec
-    cdef uint32_t _node
-    cdef uint64_t _bad_slot              # set with CXLRT_E_KVCORRUPT, for the message
+    cdef kv_index K                      # what the C layer (kvindex, kvevict) works on
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
-    cdef bint _ignore_pins               # test hook (debug builds): a broken evictor
     cdef bint _foreign                   # test hook (debug builds): writers on unseen hosts
-    cdef bint _no_quarantine             # test hook (debug builds): free taken payloads at once
     cdef uint64_t _lease_ns, _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
     cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
     cdef int _id_pid
-    cdef uint64_t _hold_t0               # our ns when the current sound hold began, 0 none
     cdef dict _seen                      # (slot, epoch) -> (progress, our ns when it last moved)
     cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
     cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
@@ -369,15 +264,16 @@ cdef class KVCache:
         self._closed = True  # until attached: close() and __dealloc__ have nothing to do
         self.region = region
         self.r = region.backend.region()
+        self.K.r = self.r
         self.name = name
         self.block_tokens = block_tokens
         self.algorithm = algorithm
         self._salt = salt
         self.salt_digest = salt_digest(salt, algorithm)
-        self._nodes = region.nodes
-        self._node = region.node
-        self._heap_lo, heap_len = region.heap
-        self._heap_hi = self._heap_lo + heap_len
+        self.K.nodes = region.nodes
+        self.K.node = region.node
+        self.K.heap_lo, heap_len = region.heap
+        self.K.heap_hi = self.K.heap_lo + heap_len
         self._lease_ns = <uint64_t>region.lease_ms * 1000000
         self._tick_ns = max(self._lease_ns // 8, 1000000)
         self._seen = {}
@@ -389,12 +285,14 @@ cdef class KVCache:
         self._pin_lock = region.lock(f"kvp:{tag}").index
         self._locks = region.locks
         self.L = &self._locks.L
+        self.K.L = self.L
         self._heap = region._allocator
+        self.K.A = &self._heap.A
         self._attach(name, create, block_bytes, capacity_blocks)
         from cxlrt.nodelocal import local_dir
-        path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self._node}"
+        path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self.K.node}"
                                          f"-kv{self.offset:x}.pins")
-        self._pt = PinTable(region, self._locks, self._pin_lock, self._pins, self.slots, path)
+        self._pt = PinTable(region, self._locks, self._pin_lock, self.K.pins, self.slots, path)
         self._closed = False
         region._closing.add(self)  # closed (counters published, pins given back) before the region
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
@@ -405,8 +303,10 @@ cdef class KVCache:
         self.slots = 8
         while self.slots < 2 * capacity:  # load factor <= 1/2 keeps probe runs short
             self.slots <<= 1
-        self._mask = self.slots - 1
-        self._nrec = max(64, self.slots // 8)
+        self.K.slots = self.slots
+        self.K.block_bytes = block_bytes
+        self.K.mask = self.slots - 1
+        self.K.nrec = max(64, self.slots // 8)
 
     # --- creation and attach ------------------------------------------------------------
 
@@ -418,23 +318,10 @@ cdef class KVCache:
         `base` (the object map in kvcache.pxd)."""
         entries = base + sizeof(kv_header)
         pins = entries + self.slots * sizeof(kv_entry)
-        stats = pins + self._nodes * self.slots * sizeof(uint64_t)
-        claims = stats + self._nodes * sizeof(kv_stats)
+        stats = pins + self.K.nodes * self.slots * sizeof(uint64_t)
+        claims = stats + self.K.nodes * sizeof(kv_stats)
         records = claims + self.slots * sizeof(kv_claim)
-        return entries, pins, stats, claims, records, records + self._nrec * sizeof(kv_claim)
-
-    # The sections' lines (offsets set by _validate).
-    cdef inline uint64_t _entry_at(self, uint64_t s) noexcept nogil:
-        return self._entries + s * sizeof(kv_entry)
-
-    cdef inline uint64_t _claim_at(self, uint64_t s) noexcept nogil:
-        return self._claims + s * sizeof(kv_claim)
-
-    cdef inline uint64_t _record_at(self, uint64_t i) noexcept nogil:
-        return self._records + i * sizeof(kv_claim)
-
-    cdef inline uint64_t _stats_at(self, uint64_t node) noexcept nogil:
-        return self._stats + node * sizeof(kv_stats)
+        return entries, pins, stats, claims, records, records + self.K.nrec * sizeof(kv_claim)
 
     cdef int _geo(self, kv_geometry* g) except -1:
         """This cache's geometry line, as it is (or would be) on the medium."""
@@ -460,7 +347,7 @@ cdef class KVCache:
         cdef kv_header h
         self._geo(&h.geometry)
         entries, pins, stats, claims = self._sections(base)[:4]
-        h.layout.nodes = self._nodes
+        h.layout.nodes = self.K.nodes
         h.layout.entries = entries
         h.layout.pins = pins
         h.layout.stats = stats
@@ -494,16 +381,17 @@ cdef class KVCache:
             self._read_header(off, &h)
             block_bytes = block_bytes or h.geometry.block_bytes
             capacity = capacity or h.geometry.capacity
-            if block_bytes < 1 or capacity < 1 or capacity > self._heap_hi:
+            if block_bytes < 1 or capacity < 1 or capacity > self.K.heap_hi:
                 raise RegionError(f"KV cache {name!r}: recorded geometry is corrupt")
         self._set_geometry(block_bytes, capacity)
         self.offset = off
+        self.K.offset = off
         self._validate(off)
 
     cdef int _read_header(self, uint64_t base, kv_header* h) except -1:
         """The geometry and layout lines of the cache object at `base`, checked."""
         region = self.region
-        if base % 64 or base < self._heap_lo or base + KV_HEADER > self._heap_hi:
+        if base % 64 or base < self.K.heap_lo or base + KV_HEADER > self.K.heap_hi:
             raise RegionError(f"KV cache {self.name!r}: directory offset {base} is not a "
                               "cache object (corrupt)")
         region.flush(base, KV_AT_COUNTERS)
@@ -549,13 +437,13 @@ cdef class KVCache:
         cdef kv_header h
         self._read_header(base, &h)
         self._check_scheme(&h.geometry)
-        if h.layout.nodes != self._nodes or h.layout.total != self._total() or \
-                base + h.layout.total > self._heap_hi:
+        if h.layout.nodes != self.K.nodes or h.layout.total != self._total() or \
+                base + h.layout.total > self.K.heap_hi:
             raise RegionError(f"KV cache {self.name!r}: layout does not fit this region (corrupt)")
         sec = self._sections(base)
         if (h.layout.entries, h.layout.pins, h.layout.stats, h.layout.claims) != sec[:4]:
             raise RegionError(f"KV cache {self.name!r}: section offsets are corrupt")
-        self._entries, self._pins, self._stats, self._claims, self._records, _ = sec
+        self.K.entries, self.K.pins, self.K.stats, self.K.claims, self.K.records, _ = sec
 
     cdef int _check_scheme(self, const kv_geometry* g) except -1:
         cdef kv_geometry ours
@@ -586,88 +474,6 @@ cdef class KVCache:
 
     # --- entries ------------------------------------------------------------------------
 
-    cdef int _read(self, uint64_t s, kv_entry* e) noexcept nogil:
-        """Observe entry `s` as one consistent line (a torn copy is read again)."""
-        cdef uint64_t at = self._entry_at(s), spins = 0
-        cdef int rc, tries
-        for tries in range(1000):
-            rc = cxl_observe(self.r, at, e, 64)
-            if rc != 0:
-                return rc
-            if _line_ok(e):
-                return 0
-            cxl_backoff(&spins)
-        self._bad_slot = s
-        return CXLRT_E_KVCORRUPT
-
-    cdef int _write(self, uint64_t s, kv_entry* e) noexcept nogil:
-        """Replace entry `s` (cache lock held) and publish it."""
-        CXL_ASSERT(s < self.slots, b"an entry past the table")
-        CXL_ASSERT(_state(e) <= KV_EVICTING, b"an entry state that does not exist")
-        e.check = _mix(e)
-        return self._put(self._entry_at(s), e)
-
-    cdef int _fenced(self) noexcept nogil:
-        """1 if we were silent past the lease since our hold of the cache lock began:
-        another node may hold it now, so we must not write (checked before every
-        write under the lock; lookups and loads never ask)."""
-        return self._hold_t0 != 0 and cxl_live_silent_since(self.L.live, self._hold_t0)
-
-    cdef int _put(self, uint64_t at, const void* line) noexcept nogil:
-        """Publish one whole line (cache lock held: we are its only writer)."""
-        cdef int rc
-        CXL_ASSERT(self._hold_t0 != 0, b"a cache line written outside a hold of the cache lock")
-        if self._fenced():
-            return CXLRT_E_FENCED
-        rc = cxl_flush(self.r, at, 64)  # drop a stale copy before writing the line
-        if rc == 0:
-            rc = cxl_store(self.r, at, line, 64)
-        if rc == 0:
-            rc = cxl_persist(self.r, at, 64)
-        return rc
-
-    cdef int _get(self, uint64_t at, void* line) noexcept nogil:
-        """Observe one line (drop our copy, then load)."""
-        cdef int rc = cxl_observe(self.r, at, line, 64)
-        return rc
-
-    cdef bint _payload_ok(self, const kv_entry* e) noexcept nogil:
-        return (e.len == KV_PAYLOAD_HDR + self.block_bytes and e.off % 64 == 0
-                and e.off >= self._heap_lo and e.off <= self._heap_hi
-                and e.len <= self._heap_hi - e.off)
-
-    cdef int _probe(self, const char* key, uint64_t* slot, kv_entry* e,
-                    uint64_t* free_slot) noexcept nogil:
-        """Find `key`: 1 with its slot and entry, or 0 (absent) with the slot an
-        insert would take (the first tombstone, else the empty slot ending the run)
-        in free_slot (-1 when the table is full). Negative: an error."""
-        cdef uint64_t h, s, i
-        cdef uint32_t st
-        cdef int rc
-        memcpy(&h, key, 8)
-        free_slot[0] = <uint64_t>-1
-        for i in range(self.slots):
-            s = (h + i) & self._mask
-            rc = self._read(s, e)
-            if rc != 0:
-                return rc
-            st = _state(e)
-            if st == KV_EMPTY:
-                if free_slot[0] == <uint64_t>-1:
-                    free_slot[0] = s
-                return 0
-            if st == KV_TOMBSTONE:
-                if free_slot[0] == <uint64_t>-1:
-                    free_slot[0] = s
-                continue
-            if st > KV_EVICTING:
-                self._bad_slot = s
-                return CXLRT_E_KVCORRUPT
-            if _same_key(e, key):
-                slot[0] = s
-                return 1
-        return 0
-
     cdef int _io(self, int rc, str what) except -1:
         if rc != 0:
             self._raise(rc, what)
@@ -675,43 +481,20 @@ cdef class KVCache:
 
     # --- counters (line 2, cache lock held) -----------------------------------------------
 
-    cdef int _counters(self, kv_counters* w) noexcept nogil:
-        cdef int rc = cxl_observe(self.r, self.offset + KV_AT_COUNTERS, w, KV_COUNTED)
-        return rc
-
-    cdef int _set_counters(self, const kv_counters* w) noexcept nogil:
-        cdef uint64_t at = self.offset + KV_AT_COUNTERS
-        cdef int rc
-        if self._fenced():
-            return CXLRT_E_FENCED
-        rc = cxl_store(self.r, at, w, KV_COUNTED)
-        if rc == 0:
-            rc = cxl_persist(self.r, at, sizeof(kv_counters))
-        return rc
-
     def _occupancy(self):
         cdef kv_counters w
-        self._io(self._counters(&w), "counters")
+        self._io(kv_get_counters(&self.K, &w), "counters")
         return w.occupancy
 
-    cdef int _add_occupancy_c(self, long long d, long long nbytes) noexcept nogil:
-        cdef kv_counters w
-        cdef int rc = self._counters(&w)
-        if rc != 0:
-            return rc
-        w.occupancy = <uint64_t>max(0, <long long>w.occupancy + d)
-        w.payload_bytes = <uint64_t>max(0, <long long>w.payload_bytes + nbytes)
-        return self._set_counters(&w)
-
     def _add_occupancy(self, long long d, long long nbytes):
-        self._io(self._add_occupancy_c(d, nbytes), "counters")
+        self._io(kv_add_occupancy(&self.K, d, nbytes), "counters")
 
     def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
         cdef kv_counters w
-        self._io(self._counters(&w), "counters")
+        self._io(kv_get_counters(&self.K, &w), "counters")
         w.occupancy = occ
         w.payload_bytes = nbytes
-        self._io(self._set_counters(&w), "counters")
+        self._io(kv_set_counters(&self.K, &w), "counters")
 
     # --- identity -----------------------------------------------------------------------
 
@@ -721,7 +504,7 @@ cdef class KVCache:
         if self._id_pid == pid:
             return 0
         live = self.region.liveness
-        self._id_tag = (<uint64_t>self._node << 8) | (<uint64_t>pid << 24)
+        self._id_tag = (<uint64_t>self.K.node << 8) | (<uint64_t>pid << 24)
         self._id_inc = live.incarnation if live is not None else 0
         self._id_start = process_start(pid)
         self._id_where = _where_hash()
@@ -745,168 +528,33 @@ cdef class KVCache:
     # batch runs under one release of the GIL; the `except -1` wrappers below it raise
     # for the Python-level paths (takeovers, settle, delete).
 
-    cdef int _rec_top_c(self, uint64_t* top) noexcept nogil:
-        """How many record lines to scan: the high-water mark."""
-        cdef kv_counters w
-        cdef int rc = self._counters(&w)
-        top[0] = min(w.records, self._nrec) if rc == 0 else 0
-        return rc
-
-    cdef int _rec_alloc_c(self, long long* out) noexcept nogil:
-        """A free record line in out, or -1 when every one is in use."""
-        cdef kv_claim c
-        cdef kv_counters w
-        cdef uint64_t i
-        cdef int rc = self._counters(&w)
-        out[0] = -1
-        if rc != 0:
-            return rc
-        for i in range(min(w.records, self._nrec)):
-            rc = self._get(self._record_at(i), &c)
-            if rc != 0:
-                return rc
-            if _zero(&c):
-                out[0] = <long long>i
-                return 0
-        if w.records >= self._nrec:
-            return 0
-        w.records += 1  # published before the record: a scan may see a free line, never miss one
-        rc = self._set_counters(&w)
-        if rc == 0:
-            out[0] = <long long>(w.records - 1)
-        return rc
-
-    cdef int _rec_put_c(self, uint64_t i, kv_claim* c) noexcept nogil:
-        c.check = _mix(c)
-        return self._put(self._record_at(i), c)
-
-    cdef int _rec_clear_c(self, uint64_t i) noexcept nogil:
-        """Free record i, and lower the high-water mark past free lines at the top."""
-        cdef kv_claim c
-        cdef kv_counters w
-        cdef uint64_t top
-        cdef int rc
-        memset(&c, 0, 64)
-        rc = self._put(self._record_at(i), &c)
-        if rc == 0:
-            rc = self._counters(&w)
-        if rc != 0:
-            return rc
-        top = min(w.records, self._nrec)
-        if i + 1 != top:
-            return 0
-        while top > 0:
-            rc = self._get(self._record_at(top - 1), &c)
-            if rc != 0:
-                return rc
-            if not _zero(&c):
-                break
-            top -= 1
-        w.records = top
-        return self._set_counters(&w)
-
-    cdef int _free_payload_c(self, uint64_t off) noexcept nogil:
-        """free() a payload nobody references; a failure leaves a DEFERRED record."""
-        cdef kv_claim c
-        cdef long long i
-        cdef int rc
-        if self._fenced():
-            return CXLRT_E_FENCED
-        rc = cxl_free(&self._heap.A, off)
-        if rc == 0 or rc == CXLRT_E_BADFREE or rc == CXLRT_E_DOUBLEFREE:
-            return 0  # given back, or not a live object (already free): nothing to do
-        # e.g. the owner's remote-free queue is full: retry later
-        rc = self._rec_alloc_c(&i)
-        if rc != 0 or i < 0:
-            return rc  # no line to remember it in: this payload leaks (a full table)
-        memset(&c, 0, 64)
-        c.tag = KV_REC_DEFERRED
-        c.off = off
-        return self._rec_put_c(<uint64_t>i, &c)
-
-    cdef int _give_back_c(self, uint64_t i, uint64_t off) noexcept nogil:
-        """Free the payload record i names. The record goes first: a crash between
-        the two leaks the payload, never frees it twice."""
-        cdef int rc = self._rec_clear_c(i)
-        if rc != 0:
-            return rc
-        return self._free_payload_c(off)
-
-    cdef int _complete_c(self, uint64_t i, kv_claim* c) noexcept nogil:
-        """Finish record i once its entry no longer holds the payload."""
-        if _kind(c) == KV_REC_TAKE:
-            c.tag = (c.tag & ~(<uint64_t>0xff)) | KV_REC_QUARANTINE
-            return self._rec_put_c(i, c)
-        return self._give_back_c(i, c.off)
-
-    cdef int _bury_c(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
-                     int* buried) noexcept nogil:
-        """Take entry s's payload out of the index (cache lock held): a record, the
-        tombstone (generation + 1: the claim's epoch is over), then the payload is
-        freed (KV_REC_EVICT) or quarantined (KV_REC_TAKE). `buried` gets 0 when no
-        record line is free (nothing changed), 1 when buried. The occupancy counter
-        is the caller's (a batch updates it once)."""
-        cdef kv_claim c
-        cdef long long i
-        cdef int rc
-        CXL_ASSERT(_holds(e), b"burying an entry that holds no payload")
-        buried[0] = 0
-        rc = self._rec_alloc_c(&i)
-        if rc != 0 or i < 0:
-            return rc
-        if who != NULL:
-            memcpy(&c, who, 64)
-        else:
-            memset(&c, 0, 64)
-        c.tag = (c.tag & ~(<uint64_t>0xff)) | kind
-        c.off = e.off
-        c.epoch = _gen(e)
-        c.slot = s
-        rc = self._rec_put_c(<uint64_t>i, &c)
-        if rc != 0:
-            return rc
-        if unlikely(_armed[0]):
-            cxl_crash_hit(b"kv.evict.intent")
-        memset(<void*>e.key, 0, 16)
-        e.meta = ((_gen(e) + 1) << 8) | KV_TOMBSTONE
-        e.off = e.len = e.owner = 0
-        rc = self._write(s, e)
-        if rc != 0:
-            return rc
-        buried[0] = 1
-        if unlikely(_armed[0]):
-            cxl_crash_hit(b"kv.evict.tombstone")
-        # From the tombstone on, nothing fails but the backend: the record finishes
-        # the job for the next lock holder if we die here.
-        return self._complete_c(<uint64_t>i, &c)
-
     cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
         cdef uint64_t top = 0
-        self._io(self._rec_top_c(&top), "records")
+        self._io(kv_rec_top(&self.K, &top), "records")
         return top
 
     cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(self._get(self._record_at(i), c), "records")
+        return self._io(kv_get(&self.K, kv_record_at(&self.K, i), c), "records")
 
     cdef int _rec_alloc(self) except -2:
         cdef long long i = -1
-        self._io(self._rec_alloc_c(&i), "records")
+        self._io(kv_rec_alloc(&self.K, &i), "records")
         return <int>i
 
     cdef int _rec_put(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(self._rec_put_c(i, c), "records")
+        return self._io(kv_rec_put(&self.K, i, c), "records")
 
     cdef int _rec_clear(self, uint64_t i) except -1:
-        return self._io(self._rec_clear_c(i), "records")
+        return self._io(kv_rec_clear(&self.K, i), "records")
 
     cdef int _free_payload(self, uint64_t off) except -1:
-        return self._io(self._free_payload_c(off), "free")
+        return self._io(kv_free_payload(&self.K, off), "free")
 
     cdef int _give_back(self, uint64_t i, uint64_t off) except -1:
-        return self._io(self._give_back_c(i, off), "records")
+        return self._io(kv_give_back(&self.K, i, off), "records")
 
     cdef int _complete(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(self._complete_c(i, c), "records")
+        return self._io(kv_complete(&self.K, i, c), "records")
 
     cdef int _bury(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
                    str what) except -1:
@@ -914,7 +562,7 @@ cdef class KVCache:
         line is free (nothing changed)."""
         cdef int rc, buried = 0
         with nogil:
-            rc = self._bury_c(s, e, kind, who, &buried)
+            rc = kv_bury(&self.K, s, e, kind, who, &buried)
         self._io(rc, what)
         if buried:
             self._add_occupancy(-1, -<long long>self.block_bytes)
@@ -931,10 +579,10 @@ cdef class KVCache:
         cdef int rc
         for i in range(self._rec_top()):
             self._rec_get(i, &c)
-            if _zero(&c):
+            if kv_zero(&c):
                 continue
-            kind = _kind(&c)
-            if not _line_ok(&c) or kind < KV_REC_EVICT or kind > KV_REC_DEFERRED:
+            kind = kv_kind(&c)
+            if not kv_line_ok(&c) or kind < KV_REC_EVICT or kind > KV_REC_DEFERRED:
                 self._rec_clear(i)  # torn by a crash mid-write: forget it (may leak one)
                 continue
             if kind == KV_REC_EVICT or kind == KV_REC_TAKE:
@@ -942,9 +590,9 @@ cdef class KVCache:
                     self._rec_clear(i)
                     continue
                 with nogil:
-                    rc = self._read(c.slot, &e)
+                    rc = kv_read(&self.K, c.slot, &e)
                 self._io(rc, "records")
-                if _gen(&e) == c.epoch and e.off == c.off and _holds(&e):
+                if kv_gen(&e) == c.epoch and e.off == c.off and kv_holds(&e):
                     self._rec_clear(i)  # the tombstone never came: the entry still holds it
                 else:
                     self._complete(i, &c)
@@ -961,16 +609,16 @@ cdef class KVCache:
     cdef bint _released(self, uint64_t i, const kv_claim* c) except -1:
         """Whether a quarantined payload's writer is known to have stopped (module
         docstring, "Quarantine")."""
-        cdef uint32_t node = _cnode(c)
+        cdef uint32_t node = kv_cnode(c)
         cdef int st
         cdef uint64_t now
         key = (i, c.off, c.epoch)
-        if node >= self._nodes:
+        if node >= self.K.nodes:
             return True
         if c.where == KV_PIN_WHERE:
             return self._pins_released(key, c)
         if c.where == _where_hash() and not CXLRT_TEST_HOOK(self._foreign):  # its process decides
-            if process_alive(_cpid(c), c.start):
+            if process_alive(kv_cpid(c), c.start):
                 return False  # alive, maybe stopped: it may resume, so it keeps the memory
             self._doomed.pop(key, None)
             return True
@@ -995,7 +643,7 @@ cdef class KVCache:
         cdef uint32_t j
         cdef int st, rc
         cdef bint dead = False
-        for j in range(min(self._nodes, <uint64_t>CXL_LIVE_MAX_NODES)):
+        for j in range(min(self.K.nodes, <uint64_t>CXL_LIVE_MAX_NODES)):
             if not (mask >> j) & 1:
                 continue
             with nogil:
@@ -1004,7 +652,7 @@ cdef class KVCache:
                 continue
             if st == CXL_LIVE_ALIVE:
                 if c.slot < self.slots:
-                    at = self._pt.at(j, c.slot)
+                    at = kv_pin_at(&self.K, j, c.slot)
                     with nogil:
                         rc = cxl_observe64(self.r, at, &w)
                     self._io(rc, "records")
@@ -1022,7 +670,7 @@ cdef class KVCache:
         """True once `key`'s owner has been judged dead for KV_QUARANTINE_LEASES leases,
         timed from our first look (our clock: a resumed stall may still write until then)."""
         now = cxl_now_ns()
-        if len(self._doomed) > 4 * self._nrec:
+        if len(self._doomed) > 4 * self.K.nrec:
             self._doomed.clear()
         since = self._doomed.setdefault(key, now)
         if now - <uint64_t>since >= KV_QUARANTINE_LEASES * self._lease_ns:
@@ -1035,9 +683,9 @@ cdef class KVCache:
         that checks it after this fails, whatever the memory is reused for."""
         cdef kv_payload_header h
         cdef int rc
-        if self._fenced():
+        if kv_fenced(&self.K):
             self._raise(CXLRT_E_FENCED, "free")
-        if off % 64 or off < self._heap_lo or off + KV_PAYLOAD_HDR > self._heap_hi:
+        if off % 64 or off < self.K.heap_lo or off + KV_PAYLOAD_HDR > self.K.heap_hi:
             return 0  # not a payload offset (a corrupt record): nothing to wipe
         memset(&h, 0, sizeof(h))
         with nogil:
@@ -1049,15 +697,15 @@ cdef class KVCache:
     cdef int _claim_of(self, uint64_t s, const kv_entry* e, kv_claim* c) except -1:
         """Entry s's claim line if it is the claim of this entry (1); else (0) a claim
         made up from the entry's owner word, whose identity nobody can check."""
-        self._io(self._get(self._claim_at(s), c), "claims")
-        if (_line_ok(c) and _kind(c) == KV_REC_CLAIM and c.epoch == _gen(e)
+        self._io(kv_get(&self.K, kv_claim_at(&self.K, s), c), "claims")
+        if (kv_line_ok(c) and kv_kind(c) == KV_REC_CLAIM and c.epoch == kv_gen(e)
                 and c.off == e.off and c.slot == s):
             return 1
         memset(c, 0, 64)
         c.tag = (KV_REC_CLAIM | ((e.owner & 0xffff) << 8)
                  | (((e.owner >> 16) & 0xffffffff) << 24))
         c.off = e.off
-        c.epoch = _gen(e)
+        c.epoch = kv_gen(e)
         c.slot = s
         return 0
 
@@ -1071,20 +719,20 @@ cdef class KVCache:
             if self._is_me(c):
                 return 0  # ours: this process is alive and knows what it writes
             if (not CXLRT_TEST_HOOK(self._foreign) and c.where == self._id_where
-                    and not process_alive(_cpid(c), c.start)):
+                    and not process_alive(kv_cpid(c), c.start)):
                 return 2
             with nogil:
-                st = cxl_node_state(self.L.live, _cnode(c))
+                st = cxl_node_state(self.L.live, kv_cnode(c))
             if st == CXL_LIVE_DETACHED:
                 return 2
-        if not self._payload_ok(e):
-            self._bad_slot = s
+        if not kv_payload_ok(&self.K, e):
+            self.K.bad_slot = s
             self._raise(CXLRT_E_KVCORRUPT, "store")
         with nogil:
             rc = cxl_dma_read(self.r, e.off + KV_PROGRESS, &v, 8)
         self._io(rc, "store")
         now = cxl_now_ns()
-        key = (s, _gen(e))
+        key = (s, kv_gen(e))
         seen = self._seen.get(key)
         if seen is None or seen[0] != v:
             if len(self._seen) > 2 * self.slots + 64:
@@ -1095,7 +743,7 @@ cdef class KVCache:
 
     cdef uint32_t _take_kind(self, int verdict) noexcept:
         """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
-        if verdict == 1 and not CXLRT_TEST_HOOK(self._no_quarantine):
+        if verdict == 1 and not CXLRT_TEST_HOOK(self.K.no_quarantine):
             return KV_REC_TAKE
         return KV_REC_EVICT
 
@@ -1123,7 +771,7 @@ cdef class KVCache:
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
         """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held)."""
-        cdef uint64_t at = self._stats_at(self._node), any = 0
+        cdef uint64_t at = kv_stats_at(&self.K, self.K.node), any = 0
         cdef uint64_t w[KV_ST_WORDS]
         cdef int rc, i
         for i in range(KV_ST_WORDS):
@@ -1159,7 +807,7 @@ cdef class KVCache:
                       f"{self.region.lease_ms / 1000.0:g} s lease while it held the cache lock; "
                       "another node may hold it now, so nothing more was written")
         elif rc == CXLRT_E_KVCORRUPT:
-            detail = (f"slot {self._bad_slot} holds an entry or payload that cannot be right "
+            detail = (f"slot {self.K.bad_slot} holds an entry or payload that cannot be right "
                       "(corrupt region; run `cxlrt check`)")
         elif rc == CXLRT_E_KVPINS:
             detail = f"this node holds {KV_PIN_MAX} pins on one block; release hits"
@@ -1268,18 +916,18 @@ cdef class KVCache:
             # the line before it loads it: the prefetch would be thrown away).
             for j in range(hit.n):
                 memcpy(&h, hit.key(j), 8)
-                cxl_prefetch(self.r.base + self._entry_at(h & self._mask))
+                cxl_prefetch(self.r.base + kv_entry_at(&self.K, h & self.K.mask))
         for j in range(hit.n):
-            found = self._probe(hit.key(j), &s, &e, &free_slot)
+            found = kv_probe(&self.K, hit.key(j), &s, &e, &free_slot)
             if found < 0:
                 return found
-            if found == 0 or _state(&e) != KV_READY:
+            if found == 0 or kv_state(&e) != KV_READY:
                 break
-            if not self._payload_ok(&e):
-                self._bad_slot = s
+            if not kv_payload_ok(&self.K, &e):
+                self.K.bad_slot = s
                 return CXLRT_E_KVCORRUPT
             hit.slots[m] = s
-            hit.gens[m] = _gen(&e)
+            hit.gens[m] = kv_gen(&e)
             hit.offs[m] = e.off
             m += 1
         if m == 0:
@@ -1306,7 +954,7 @@ cdef class KVCache:
         keep = m
         for j in range(m):
             w = 0
-            rc = cxl_observe64(self.r, self._entry_at(hit.slots[j]) + KV_ENTRY_META, &w)
+            rc = cxl_observe64(self.r, kv_entry_at(&self.K, hit.slots[j]) + KV_ENTRY_META, &w)
             want = (hit.gens[j] << 8) | KV_READY
             if rc != 0 or w != want:
                 keep = j
@@ -1379,7 +1027,7 @@ cdef class KVCache:
             return rc
         if h.magic != PMAGIC or h.generation != hit.gens[i] or h.block_bytes != self.block_bytes \
                 or h.cache != self.offset or memcmp(h.key, hit.key(i), KV_KEY_BYTES) != 0:
-            self._bad_slot = hit.slots[i]
+            self.K.bad_slot = hit.slots[i]
             return CXLRT_E_KVCORRUPT
         return 0
 
@@ -1391,9 +1039,9 @@ cdef class KVCache:
         cdef int rr
         if rc == CXLRT_E_KVCORRUPT:
             with nogil:
-                rr = self._read(hit.slots[i], &e)
-            if rr == 0 and not ((_state(&e) == KV_READY or _state(&e) == KV_EVICTING)
-                                and _gen(&e) == hit.gens[i] and e.off == hit.offs[i]):
+                rr = kv_read(&self.K, hit.slots[i], &e)
+            if rr == 0 and not ((kv_state(&e) == KV_READY or kv_state(&e) == KV_EVICTING)
+                                and kv_gen(&e) == hit.gens[i] and e.off == hit.offs[i]):
                 raise LeaseLost(
                     f"KV cache {self.name!r}: {what}: block {i} of this hit was evicted: "
                     "this node was silent for longer than the "
@@ -1578,7 +1226,7 @@ cdef class KVCache:
                 self._lock_release()
                 time.sleep(tick_s)  # our heartbeat thread resumes beating meanwhile
                 continue
-            self._hold_t0 = t0  # from here every write first asks _fenced()
+            self.K.hold_t0 = t0  # from here every write first asks _fenced()
             return
         raise LeaseLost(f"KV cache {self.name!r}: this process keeps being silent for longer "
                         "than the lease; it cannot hold the cache lock soundly")
@@ -1591,9 +1239,9 @@ cdef class KVCache:
 
     def _release_quietly(self):
         """Let the cache lock go (if this thread holds it)."""
-        if self._hold_t0 == 0:
+        if self.K.hold_t0 == 0:
             return
-        self._hold_t0 = 0
+        self.K.hold_t0 = 0
         self._lock_release()
 
     def _abandon(self, list reserved, list ks):
@@ -1641,39 +1289,45 @@ cdef class KVCache:
         """
         cdef kv_entry e
         cdef kv_claim c, old
+        cdef kv_counters w
         cdef uint64_t s = 0, free_slot = 0, off = 0, gen
         cdef int rc, verdict
         cdef bint orphan
         cdef bytes key = ks[j]
         cdef const char* kp = PyBytes_AS_STRING(key)
         with nogil:
-            rc = self._probe(kp, &s, &e, &free_slot)
+            rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
         if rc < 0:
             self._raise(rc, "store")
         if rc == 1:
-            if _state(&e) != KV_WRITING:
+            if kv_state(&e) != KV_WRITING:
                 return None  # present: exactly one copy wins
             verdict = self._judge(s, &e, &c)
             if verdict == 0 or not self._bury(s, &e, self._take_kind(verdict), &c, "store"):
                 return None  # being written by a writer that may still finish
             with nogil:
-                rc = self._probe(kp, &s, &e, &free_slot)
+                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
             if rc != 0:
                 if rc < 0:
                     self._raise(rc, "store")
                 return None
-        if self._occupancy() >= self.capacity:
+        with nogil:
+            rc = kv_get_counters(&self.K, &w)
+        self._io(rc, "store")
+        if w.occupancy >= self.capacity:
             if not self._evict(self._batch(self._absent(ks, j))):
                 return False
             with nogil:
-                rc = self._probe(kp, &s, &e, &free_slot)
+                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
             if rc < 0:
                 self._raise(rc, "store")
         if free_slot == <uint64_t>-1:
             return False
-        try:
-            off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
-        except OutOfMemory:
+        with nogil:
+            rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
+        if rc != 0:
+            if rc != CXLRT_E_NOMEM:
+                self._raise(rc, "store")
             off = 0
             # Each evicted payload makes room for one of the same size, unless its
             # memory goes back through another node's remote-free queue (usable once
@@ -1681,14 +1335,16 @@ cdef class KVCache:
             # blocks still needed; then no room, rather than emptying the cache for
             # memory this node cannot have yet.
             if self._evict(min(self._absent(ks, j), self.capacity)):
-                try:
-                    off = self.region.alloc(KV_PAYLOAD_HDR + self.block_bytes, 64)
-                except OutOfMemory:
+                with nogil:
+                    rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
+                if rc != 0:
+                    if rc != CXLRT_E_NOMEM:
+                        self._raise(rc, "store")
                     off = 0
             if off == 0:
                 return False
             with nogil:
-                rc = self._probe(kp, &s, &e, &free_slot)  # eviction may free an earlier slot
+                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)  # eviction may free an earlier slot
             if rc < 0:
                 self.region.free(off)
                 self._raise(rc, "store")
@@ -1697,18 +1353,18 @@ cdef class KVCache:
                 return False
         s = free_slot
         with nogil:
-            rc = self._read(s, &e)
+            rc = kv_read(&self.K, s, &e)
             if rc == 0:
-                rc = self._get(self._claim_at(s), &old)
+                rc = kv_get(&self.K, kv_claim_at(&self.K, s), &old)
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
-        CXL_ASSERT((_state(&e) == KV_EMPTY) | (_state(&e) == KV_TOMBSTONE),
+        CXL_ASSERT((kv_state(&e) == KV_EMPTY) | (kv_state(&e) == KV_TOMBSTONE),
                    b"reserving a slot the probe did not find free (under the cache lock)")
-        gen = _gen(&e) + 1
+        gen = kv_gen(&e) + 1
         # A claim line for this very epoch over a free entry: a reserve died between
         # its claim line and its entry, and nobody else knows that payload.
-        orphan = (_line_ok(&old) and _kind(&old) == KV_REC_CLAIM and old.epoch == gen
+        orphan = (kv_line_ok(&old) and kv_kind(&old) == KV_REC_CLAIM and old.epoch == gen
                   and old.slot == s and old.off != 0 and old.off != off)
         # The claim first, on its own line: who writes this slot's payload, in which
         # life of its node, at which epoch.
@@ -1720,24 +1376,26 @@ cdef class KVCache:
         c.inc = self._id_inc
         c.start = self._id_start
         c.where = self._id_where
-        c.check = _mix(&c)
+        c.check = kv_mix(&c)
         memcpy(<void*>e.key, kp, 16)
         e.meta = (gen << 8) | KV_WRITING
         e.off = off
         e.len = KV_PAYLOAD_HDR + self.block_bytes
-        e.owner = self._node | (<uint64_t>self._id_pid << 16)
+        e.owner = self.K.node | (<uint64_t>self._id_pid << 16)
         e.stamp_ns = cxl_wall_ns()
-        CXL_ASSERT(self._payload_ok(&e), b"reserved payload outside the heap or misaligned")
+        CXL_ASSERT(kv_payload_ok(&self.K, &e), b"reserved payload outside the heap or misaligned")
         with nogil:
-            rc = self._put(self._claim_at(s), &c)
+            rc = kv_put(&self.K, kv_claim_at(&self.K, s), &c)
             if rc == 0:
-                rc = self._write(s, &e)
+                rc = kv_write(&self.K, s, &e)
         if rc != 0:
             self.region.free(off)
             self._raise(rc, "store")
         if unlikely(_armed[0]):
             cxl_crash_hit(b"kv.store.writing")
-        self._add_occupancy(1, <long long>self.block_bytes)
+        with nogil:
+            rc = kv_add_occupancy(&self.K, 1, <long long>self.block_bytes)
+        self._io(rc, "store")
         if orphan:  # our claim line replaced it first: a crash now leaks it, never frees twice
             self._free_payload(old.off)
         return (s, gen, off)
@@ -1784,7 +1442,7 @@ cdef class KVCache:
             h.block_bytes = bb
             h.cache = self.offset
             h.progress = prog
-            h.writer = self._node | (<uint64_t>self._id_pid << 16)
+            h.writer = self.K.node | (<uint64_t>self._id_pid << 16)
             rc = cxl_dma_write(self.r, jobs[i].off, &h, sizeof(h))
             if rc != 0:
                 return rc
@@ -1820,10 +1478,10 @@ cdef class KVCache:
         for i in range(n):
             if jobs[i].lost:
                 continue
-            rc = self._read(jobs[i].slot, &e)
+            rc = kv_read(&self.K, jobs[i].slot, &e)
             if rc != 0:
                 return rc
-            if _state(&e) != KV_WRITING or _gen(&e) != jobs[i].gen or e.off != jobs[i].off:
+            if kv_state(&e) != KV_WRITING or kv_gen(&e) != jobs[i].gen or e.off != jobs[i].off:
                 jobs[i].lost = 1
                 continue
             rc = cxl_dma_write(self.r, jobs[i].off + KV_PROGRESS, &prog, 8)
@@ -1843,12 +1501,12 @@ cdef class KVCache:
         lost = []
         for s, gen, off, j in reserved:
             with nogil:
-                rc = self._read(s, &e)
+                rc = kv_read(&self.K, s, &e)
             self._io(rc, "store")
-            if ok and _state(&e) == KV_READY and _gen(&e) == gen and e.off == off:
+            if ok and kv_state(&e) == KV_READY and kv_gen(&e) == gen and e.off == off:
                 published.append(j)  # an earlier try of this step published it
                 continue
-            if _state(&e) != KV_WRITING or _gen(&e) != gen or e.off != off:
+            if kv_state(&e) != KV_WRITING or kv_gen(&e) != gen or e.off != off:
                 lost.append(j)  # taken over: our epoch is over, we publish nothing
                 self._ack(off, gen)
                 continue
@@ -1860,9 +1518,9 @@ cdef class KVCache:
                 cxl_crash_hit(b"kv.store.publish")
             e.meta = (gen << 8) | KV_READY
             e.stamp_ns = cxl_wall_ns()
-            CXL_ASSERT(self._payload_ok(&e), b"publishing an entry whose payload is not ours")
+            CXL_ASSERT(kv_payload_ok(&self.K, &e), b"publishing an entry whose payload is not ours")
             with nogil:
-                rc = self._write(s, &e)
+                rc = kv_write(&self.K, s, &e)
             self._io(rc, "store")
             published.append(j)
         return published, lost
@@ -1876,8 +1534,8 @@ cdef class KVCache:
         cdef uint32_t kind
         for i in range(self._rec_top()):
             self._rec_get(i, &c)
-            kind = _kind(&c)
-            if (_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
+            kind = kv_kind(&c)
+            if (kv_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
                     and c.off == off and c.epoch == gen and c.where != KV_PIN_WHERE):
                 if kind == KV_REC_TAKE:
                     self._add_occupancy(-1, -<long long>self.block_bytes)
@@ -1890,40 +1548,16 @@ cdef class KVCache:
         cdef uint64_t off = e.off
         cdef int rc
         memset(<void*>e.key, 0, 16)
-        e.meta = ((_gen(e) + 1) << 8) | KV_TOMBSTONE
+        e.meta = ((kv_gen(e) + 1) << 8) | KV_TOMBSTONE
         e.off = e.len = e.owner = 0
         with nogil:
-            rc = self._write(s, e)
+            rc = kv_write(&self.K, s, e)
         self._io(rc, "store")
         self._free_payload(off)
         self._add_occupancy(-1, -<long long>self.block_bytes)
         return 0
 
     # --- occupancy and eviction ----------------------------------------------------------
-
-    cdef int _pinned(self, uint64_t s, uint64_t* recency_ms, uint64_t* gone) noexcept nogil:
-        """1 if a node whose pins count pins slot s, else 0; recency_ms gets the latest
-        use. Pins count while their node is alive (ours always): a non-zero pin word
-        of a node the liveness module judges detached, dead or never attached is void,
-        and `gone` gets the mask of those nodes (eviction slow path only: the node
-        state is read only for a non-zero pin word of another node)."""
-        cdef uint64_t j, w = 0, at
-        cdef int rc, pinned = 0
-        gone[0] = 0
-        for j in range(self._nodes):
-            at = self._pt.at(j, s)
-            rc = cxl_observe64(self.r, at, &w)
-            if rc != 0:
-                return rc
-            if w & KV_PIN_MAX:
-                if (j == self._node or j >= CXL_LIVE_MAX_NODES
-                        or cxl_node_state(self.L.live, <uint32_t>j) == CXL_LIVE_ALIVE):
-                    pinned = 1
-                else:
-                    gone[0] |= <uint64_t>1 << j
-            if (w >> 16) > recency_ms[0]:
-                recency_ms[0] = w >> 16
-        return pinned
 
     cdef uint64_t _absent(self, list ks, Py_ssize_t j) except? 0:
         """How many of ks[j:] the table does not hold (cache lock held): the blocks a
@@ -1935,7 +1569,7 @@ cdef class KVCache:
         for k in ks[j:]:
             kp = PyBytes_AS_STRING(k)
             with nogil:
-                rc = self._probe(kp, &s, &e, &free_slot)
+                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
             if rc < 0:
                 self._raise(rc, "store")
             n += rc == 0
@@ -1967,7 +1601,7 @@ cdef class KVCache:
         writing = <uint64_t*>(cands + max(k, 1))
         try:
             with nogil:
-                rc = self._scan(cands, k, &nc, writing, &nw, &used)
+                rc = kv_scan(&self.K, cands, k, &nc, writing, &nw, &used)
             if rc < 0:
                 self._raise(rc, "evict")
             # The scan saw every entry under the lock: the exact count, whatever a
@@ -1980,9 +1614,9 @@ cdef class KVCache:
             for i in range(nw):
                 s = writing[i]
                 with nogil:
-                    rc = self._read(s, &e)
+                    rc = kv_read(&self.K, s, &e)
                 self._io(rc, "evict")
-                if _state(&e) == KV_WRITING:
+                if kv_state(&e) == KV_WRITING:
                     verdict = self._judge(s, &e, &c)
                     if verdict:
                         gone.append((s, verdict))
@@ -1992,10 +1626,10 @@ cdef class KVCache:
                 if self._evict_one(s, verdict):
                     freed += 1
             if nc > 1:
-                qsort(cands, nc, sizeof(kv_cand), _cand_cmp)
+                qsort(cands, nc, sizeof(kv_cand), kv_cand_cmp)
             if freed < want:
                 with nogil:
-                    rc = self._evict_batch(cands, nc, want - freed, &batch)
+                    rc = kv_evict_batch(&self.K, cands, nc, want - freed, &batch)
                 self._pending()[KV_ST_EVICTIONS] += batch
                 freed += batch
                 self._io(rc, "evict")
@@ -2007,47 +1641,6 @@ cdef class KVCache:
             return self._evict(want)  # our node's dead processes held the pins
         return freed
 
-    cdef int _scan(self, kv_cand* cands, uint64_t k, uint64_t* nc, uint64_t* writing,
-                   uint64_t* nw, uint64_t* used) noexcept nogil:
-        """One pass over the table (cache lock held): count the live entries, list
-        the WRITING slots, and keep the `k` least recently used unpinned ready
-        blocks in `cands` (a max-heap on recency while it fills: O(slots log k)).
-        Budget: one line observe per slot, plus the pin words of a ready one."""
-        cdef kv_entry e
-        cdef uint64_t s, rec, gone
-        cdef uint32_t st
-        cdef int rc
-        nc[0] = nw[0] = used[0] = 0
-        for s in range(self.slots):
-            rc = self._read(s, &e)
-            if rc != 0:
-                return rc
-            st = _state(&e)
-            if st == KV_WRITING or st == KV_READY or st == KV_EVICTING:
-                used[0] += 1
-            if st == KV_WRITING:
-                writing[nw[0]] = s
-                nw[0] += 1
-                continue
-            if (st != KV_READY and st != KV_EVICTING) or k == 0:
-                continue
-            rec = e.stamp_ns // 1000000  # an LRU hint: clocks of hosts may disagree
-            rc = self._pinned(s, &rec, &gone)
-            if rc < 0:
-                return rc
-            if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
-                continue
-            if nc[0] < k:
-                cands[nc[0]].rec = rec
-                cands[nc[0]].slot = s
-                nc[0] += 1
-                _heap_up(cands, nc[0] - 1)
-            elif rec < cands[0].rec or (rec == cands[0].rec and s < cands[0].slot):
-                cands[0].rec = rec
-                cands[0].slot = s
-                _heap_down(cands, k)
-        return 0
-
     def _evict_one(self, uint64_t s, int verdict):
         """Evict slot s: a writer judged gone a moment ago under this same hold
         (verdict != 0), or the least recently used block (verdict 0)."""
@@ -2056,7 +1649,7 @@ cdef class KVCache:
         cdef int rc, freed = 0
         if verdict == 0:
             with nogil:
-                rc = self._evict_ready(s, &freed)
+                rc = kv_evict_ready(&self.K, s, &freed)
             if freed:
                 self._pending()[KV_ST_EVICTIONS] += 1
             self._io(rc, "evict")
@@ -2064,134 +1657,26 @@ cdef class KVCache:
                 self._add_occupancy(-1, -<long long>self.block_bytes)
             return freed
         with nogil:
-            rc = self._read(s, &e)
+            rc = kv_read(&self.K, s, &e)
         self._io(rc, "evict")
-        if _state(&e) != KV_WRITING:
+        if kv_state(&e) != KV_WRITING:
             return False
         self._claim_of(s, &e, &c)
-        if not self._payload_ok(&e):
-            self._bad_slot = s
+        if not kv_payload_ok(&self.K, &e):
+            self.K.bad_slot = s
             self._raise(CXLRT_E_KVCORRUPT, "evict")
         if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
             return False
         self._pending()[KV_ST_EVICTIONS] += 1
         return True
 
-    cdef int _evict_ready(self, uint64_t s, int* freed) noexcept nogil:
-        """Evict the ready block in slot s unless a reader pins it (cache lock held):
-        freed gets 1 when it went. The occupancy counter is the caller's."""
-        cdef kv_entry e
-        cdef kv_claim c
-        cdef uint64_t rec = 0, gen, gone = 0
-        cdef int rc
-        freed[0] = 0
-        rc = self._read(s, &e)
-        if rc != 0:
-            return rc
-        if _state(&e) != KV_READY and _state(&e) != KV_EVICTING:
-            return 0
-        gen = _gen(&e)
-        e.meta = (gen << 8) | KV_EVICTING
-        rc = self._write(s, &e)  # ends with a full fence: then read the pins
-        if rc != 0:
-            return rc
-        rc = self._pinned(s, &rec, &gone)
-        if rc < 0:
-            return rc
-        if rc == 1 and not CXLRT_TEST_HOOK(self._ignore_pins):
-            e.meta = (gen << 8) | KV_READY  # a reader pinned it meanwhile: it stays
-            return self._write(s, &e)
-        if not self._payload_ok(&e):
-            self._bad_slot = s
-            return CXLRT_E_KVCORRUPT
-        if gone and not CXLRT_TEST_HOOK(self._ignore_pins) and not CXLRT_TEST_HOOK(
-                self._no_quarantine):
-            # Pins of nodes judged gone: a stalled one may resume and read through
-            # them, so the payload is quarantined under their names, not freed.
-            memset(&c, 0, 64)
-            c.tag = <uint64_t>_lowest(gone) << 8
-            c.start = gone
-            c.where = KV_PIN_WHERE
-            return self._bury_c(s, &e, KV_REC_TAKE, &c, freed)
-        # no record line free: it stays (EVICTING reads as a miss)
-        return self._bury_c(s, &e, KV_REC_EVICT, NULL, freed)
-
-    cdef int _evict_batch(self, const kv_cand* cands, uint64_t nc, uint64_t want,
-                          uint64_t* freed) noexcept nogil:
-        """Evict up to `want` of the candidates, oldest first, under one release of
-        the GIL (cache lock held); then one occupancy update for all of them."""
-        cdef uint64_t i
-        cdef int rc = 0, one
-        freed[0] = 0
-        for i in range(nc):
-            if freed[0] >= want:
-                break
-            rc = self._evict_ready(cands[i].slot, &one)
-            freed[0] += <uint64_t>one
-            if rc != 0:
-                break
-        if freed[0] and rc == 0:
-            rc = self._add_occupancy_c(-<long long>freed[0],
-                                       -<long long>(freed[0] * self.block_bytes))
-        return rc
-
     def _sweep_tombstones(self):
         """Empty the tombstones no present key's probe walks through (cache lock held)."""
         cdef int rc
         with nogil:
-            rc = self._sweep()
+            rc = kv_sweep(&self.K)
         if rc != 0:
             self._raise(rc, "evict")
-
-    cdef int _sweep(self) noexcept nogil:
-        """Empty every tombstone that no probe for a present key walks through.
-
-        A probe for a present key walks from its home slot to its entry; a tombstone
-        outside every such walk only lengthens misses (which run on to an empty slot),
-        so it may be empty itself. Lock-free readers stay right: no present key's walk
-        changes. One walk down the table from an empty slot, each slot observed once,
-        with `cover` the lowest (unwrapped) slot that a live entry above reaches down
-        to; without an empty slot, two laps (the first only gathers `cover`).
-        """
-        cdef kv_entry e
-        cdef uint64_t n = self.slots, start = 0, top, k, laps, u, s, h, cover, never
-        cdef uint32_t st
-        cdef int rc = 0
-        while start < n:  # an empty slot to start below: no walk crosses it
-            rc = self._read(start, &e)
-            if rc != 0:
-                return rc
-            if _state(&e) == KV_EMPTY:
-                break
-            start += 1
-        laps = 1 if start < n else 2
-        if start == n:
-            start = 0
-        top = start + 3 * n  # unwrapped: u - (a walk's length) stays positive
-        never = <uint64_t>-1
-        cover = never
-        for k in range(1, laps * n):
-            u = top - k
-            s = u & self._mask
-            rc = self._read(s, &e)
-            if rc != 0:
-                return rc
-            st = _state(&e)
-            if st == KV_EMPTY:
-                cover = never
-            elif st == KV_TOMBSTONE:
-                if u < cover and k >= (laps - 1) * n:
-                    e.meta = (_gen(&e) << 8) | KV_EMPTY
-                    rc = self._write(s, &e)
-                    if rc != 0:
-                        return rc
-                    cover = never
-            elif st <= KV_EVICTING:
-                memcpy(&h, <const void*>e.key, 8)
-                cover = min(cover, u - ((s - h) & self._mask))
-            else:
-                cover = 0  # a line we cannot read as an entry: keep everything below
-        return 0
 
     def delete(self, keys):
         """Drop the blocks of `keys` now; returns the keys this call dropped.
@@ -2217,10 +1702,10 @@ cdef class KVCache:
             for k in ks:
                 kp = PyBytes_AS_STRING(k)
                 with nogil:
-                    rc = self._probe(kp, &s, &e, &free_slot)
+                    rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
                 if rc < 0:
                     self._raise(rc, "delete")
-                if rc == 1 and _state(&e) == KV_READY and self._evict_one(s, 0):
+                if rc == 1 and kv_state(&e) == KV_READY and self._evict_one(s, 0):
                     dropped.append(k)
             if dropped:
                 self._sweep_tombstones()
@@ -2240,13 +1725,13 @@ cdef class KVCache:
         cdef uint64_t j
         cdef int rc
         tot = dict.fromkeys(STAT_NAMES, 0)
-        for j in range(self._nodes):
+        for j in range(self.K.nodes):
             with nogil:
-                rc = cxl_observe(self.r, self._stats_at(j), &ks, sizeof(ks))
+                rc = cxl_observe(self.r, kv_stats_at(&self.K, j), &ks, sizeof(ks))
             self._io(rc, "stats")
             for k, v in _stats_dict(&ks).items():
                 tot[k] += v
-        self._io(self._counters(&w), "stats")
+        self._io(kv_get_counters(&self.K, &w), "stats")
         tot["occupancy"] = w.occupancy
         tot["payload_bytes"] = w.payload_bytes
         tot["capacity"] = self.capacity
@@ -2265,11 +1750,11 @@ cdef class KVCache:
         out = []
         for i in range(self._rec_top()):
             self._rec_get(i, &c)
-            if _zero(&c):
+            if kv_zero(&c):
                 continue
-            out.append({"record": i, "kind": RECORD_NAMES.get(_kind(&c), str(_kind(&c))),
+            out.append({"record": i, "kind": RECORD_NAMES.get(kv_kind(&c), str(kv_kind(&c))),
                         "offset": c.off, "slot": c.slot, "epoch": c.epoch,
-                        "node": _cnode(&c), "pid": _cpid(&c), "valid": _line_ok(&c)})
+                        "node": kv_cnode(&c), "pid": kv_cpid(&c), "valid": kv_line_ok(&c)})
         return out
 
     def entries(self):
@@ -2281,13 +1766,13 @@ cdef class KVCache:
         out = []
         for s in range(self.slots):
             with nogil:
-                rc = self._read(s, &e)
+                rc = kv_read(&self.K, s, &e)
             if rc != 0:
                 self._raise(rc, "entries")
-            st = _state(&e)
+            st = kv_state(&e)
             if st in (KV_EMPTY, KV_TOMBSTONE):
                 continue
-            out.append({"slot": s, "state": STATE_NAMES.get(st, str(st)), "generation": _gen(&e),
+            out.append({"slot": s, "state": STATE_NAMES.get(st, str(st)), "generation": kv_gen(&e),
                         "key": (<char*>e.key)[:16], "offset": e.off, "length": e.len,
                         "node": e.owner & 0xffff, "pid": e.owner >> 16})
         return out
@@ -2296,7 +1781,7 @@ cdef class KVCache:
         """Region offset of entry `s` (for tools and tests that inspect the table)."""
         if s >= self.slots:
             raise IndexError(f"slot {s} of {self.slots}")
-        return self._entry_at(s)
+        return kv_entry_at(&self.K, s)
 
     @property
     def closed(self):
@@ -2453,7 +1938,7 @@ def _break_pin_protocol(KVCache cache):
     """Make `cache` evict pinned blocks: the broken protocol the tests must catch."""
     if not CXLRT_DEBUG:
         raise DebugBuildRequired()
-    cache._ignore_pins = True
+    cache.K.ignore_pins = True
 
 
 def _as_if_on_another_host(KVCache cache):
@@ -2470,7 +1955,7 @@ def _break_quarantine(KVCache cache):
     tests must catch (the writer, resumed, scribbles over whoever got the memory)."""
     if not CXLRT_DEBUG:
         raise DebugBuildRequired()
-    cache._no_quarantine = True
+    cache.K.no_quarantine = True
 
 
 def line_check(line):
@@ -2482,7 +1967,7 @@ def line_check(line):
         raise ValueError(f"a line's check covers 56 bytes, got {len(raw)}")
     memset(w, 0, sizeof(w))
     memcpy(w, PyBytes_AS_STRING(raw), 56)
-    return 0 if _zero(w) else _mix(w)
+    return 0 if kv_zero(w) else kv_mix(w)
 
 
 def header_checksum(head):

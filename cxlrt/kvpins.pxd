@@ -23,6 +23,12 @@ cdef enum:
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
 
 
+cdef inline uint64_t kv_pin_word(uint64_t pins, uint64_t slots, uint64_t node,
+                                 uint64_t s) noexcept nogil:
+    """Region offset of node `node`'s pin word for slot `s` (node-major words)."""
+    return pins + (node * slots + s) * sizeof(uint64_t)
+
+
 cdef class PinTable:
     cdef const cxl_region* r
     cdef cxl_lockctx* L
@@ -42,7 +48,7 @@ cdef class PinTable:
     cdef uint64_t done             # slots the last add_locked() changed
 
     cdef inline uint64_t at(self, uint64_t node, uint64_t s) noexcept nogil:
-        return self.pins + (node * self.slots + s) * 8
+        return kv_pin_word(self.pins, self.slots, node, s)
 
     cdef int enter(self) noexcept nogil
     cdef void leave(self) noexcept nogil

@@ -1,0 +1,9 @@
+/* cxl_kv.h - KV cache on-media constants too wide for a Cython enum (a C int). */
+#ifndef CXL_KV_H
+#define CXL_KV_H
+
+/* kv_claim.where of a record whose payload was evicted despite void pins
+ * ("VIDPINS"): its `start` is then the mask of the nodes whose pins were void. */
+#define KV_PIN_WHERE 0x534E4950444956ULL
+
+#endif /* CXL_KV_H */

@@ -386,3 +386,74 @@ ctypedef struct cxl_chan_run:
     uint64_t flags              # CXL_CHAN_RUN_*
     uint64_t epoch              # the epoch that started the run (informational)
     uint64_t reserved[2]
+
+
+# Where a channel's words are (object map in channel.pxd), from the structs above:
+# channel.pyx computes no offset of its own. Role 0 is the producer, 1 the consumer.
+
+cdef inline uint64_t cxl_chan_claim_off(uint64_t chan, uint32_t role) noexcept nogil:
+    """Region offset of `role`'s claim line of the channel at `chan`: after the header."""
+    return chan + sizeof(cxl_chan_header) + <uint64_t>role * sizeof(cxl_chan_claim)
+
+
+cdef inline uint64_t cxl_chan_runs_off(uint64_t chan, uint32_t role, uint64_t nruns) noexcept nogil:
+    """Region offset of `role`'s first run line: after both claim lines, the producer's
+    `nruns` lines first."""
+    return (chan + sizeof(cxl_chan_header) + 2 * sizeof(cxl_chan_claim)
+            + <uint64_t>role * nruns * sizeof(cxl_chan_run))
+
+
+cdef inline uint64_t cxl_chan_run_line(uint64_t runs, uint64_t x, uint64_t nruns) noexcept nogil:
+    """Region offset of the line run `x` lives on (runs: the role's first run line)."""
+    return runs + (x % nruns) * sizeof(cxl_chan_run)
+
+
+cdef inline uint64_t cxl_chan_claim_run_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's run word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).run
+
+
+cdef inline uint64_t cxl_chan_claim_src_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's src word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).src
+
+
+cdef inline uint64_t cxl_chan_claim_owner_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's owner word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).owner
+
+
+cdef inline uint64_t cxl_chan_claim_epoch_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's epoch word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).epoch
+
+
+cdef inline uint64_t cxl_chan_run_seq_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's counter (seq)."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).seq
+
+
+cdef inline uint64_t cxl_chan_run_key_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's key (the run it holds, written last)."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).run
+
+
+cdef inline uint64_t cxl_chan_run_base_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's base."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).base
+
+
+cdef inline uint64_t cxl_chan_run_src_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's src."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).src
+
+
+cdef inline uint64_t cxl_chan_run_flags_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's flags."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).flags
+
+
+cdef inline uint64_t cxl_chan_slot_num_off(uint64_t slot) noexcept nogil:
+    """Region offset of a ring slot's message number: a slot holds its length word, its
+    message number, then the payload."""
+    return slot + sizeof(uint64_t)

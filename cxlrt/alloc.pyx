@@ -1183,6 +1183,11 @@ def table_word(uint64_t w):
     return _kind(w), _owner(w), _low(w)
 
 
+def table_word_pack(uint64_t kind, uint64_t owner, uint64_t low):
+    """Encode a chunk-table word (the inverse of table_word)."""
+    return _word(kind, owner, low)
+
+
 def class_geometry():
     """[(size, nslots, data_start)] of every size class."""
     return [(CLASS_SIZE[i], CLASS_SLOTS[i], CLASS_DATA[i]) for i in range(CXL_NCLASSES)]

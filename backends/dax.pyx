@@ -16,7 +16,7 @@ from libc.string cimport memcpy
 
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_PERSISTENT,
                             CXL_CAP_SHARED_HOSTS, CXL_F_DIRECT, MappedBackend, cxl_ops)
-from cxlrt.direct cimport direct_load, direct_load64, direct_store, direct_store64
+from cxlrt.direct cimport direct_ops_init
 from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_flush_range,
                                     cxl_flushopt_range)
 from cxlrt.mapping cimport Mapping
@@ -127,10 +127,7 @@ cdef int _dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexce
 
 
 cdef cxl_ops DAX_OPS
-DAX_OPS.load = direct_load
-DAX_OPS.store = direct_store
-DAX_OPS.load64 = direct_load64
-DAX_OPS.store64 = direct_store64
+direct_ops_init(&DAX_OPS)  # direct loads and stores; the rest is non-coherent:
 DAX_OPS.flush = _flush
 DAX_OPS.flush_nodrain = _flush_nodrain
 DAX_OPS.fence = _fence

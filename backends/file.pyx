@@ -9,21 +9,12 @@ measured against.
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
                             CXL_F_DIRECT, CXL_F_NOFLUSH, MappedBackend, cxl_ops)
-from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
-                           direct_noflush, direct_store, direct_store64)
+from cxlrt.direct cimport direct_ops_init
 from cxlrt.mapping cimport Mapping
 
 
 cdef cxl_ops FILE_OPS
-FILE_OPS.load = direct_load
-FILE_OPS.store = direct_store
-FILE_OPS.load64 = direct_load64
-FILE_OPS.store64 = direct_store64
-FILE_OPS.flush = direct_noflush
-FILE_OPS.flush_nodrain = direct_noflush
-FILE_OPS.fence = direct_fence
-FILE_OPS.dma_read = direct_load
-FILE_OPS.dma_write = direct_dma_write
+direct_ops_init(&FILE_OPS)
 
 PARAMS = {}
 """Spec parameters accepted by ``file:`` (none)."""

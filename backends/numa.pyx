@@ -18,8 +18,7 @@ from libc.stdlib cimport free, malloc
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE,
                             CXL_F_DIRECT, CXL_F_NOFLUSH, MappedBackend, cxl_ops)
-from cxlrt.direct cimport (direct_dma_write, direct_fence, direct_load, direct_load64,
-                           direct_noflush, direct_store, direct_store64)
+from cxlrt.direct cimport direct_ops_init
 from cxlrt.includes.intrin cimport cxl_load64_volatile
 from cxlrt.mapping cimport Mapping
 
@@ -113,15 +112,7 @@ def medium_path(str spec_path):
 
 cdef cxl_ops NUMA_OPS
 # One host's memory is coherent, whichever node it sits on: the file: slots.
-NUMA_OPS.load = direct_load
-NUMA_OPS.store = direct_store
-NUMA_OPS.load64 = direct_load64
-NUMA_OPS.store64 = direct_store64
-NUMA_OPS.flush = direct_noflush
-NUMA_OPS.flush_nodrain = direct_noflush
-NUMA_OPS.fence = direct_fence
-NUMA_OPS.dma_read = direct_load
-NUMA_OPS.dma_write = direct_dma_write
+direct_ops_init(&NUMA_OPS)
 
 
 cdef class NumaBackend(MappedBackend):

@@ -11,7 +11,7 @@ Remote frees (an object of another node): the freer writes a link line into the
 object (next, PENDING mark) and pushes it on the owner's queue under the allocator
 lock, so the queue has no bound and a free never fails for lack of room. The owner
 drains in two steps: under the allocator lock it commits the whole list as a batch
-to its journal line (jword = seq << 48 | first object) and empties the queue; then,
+to its journal line (jword = cxl_rfree_jword(seq, first object)) and empties the queue; then,
 under its heap mutex only, it marks each object APPLIED and clears its bit. Every
 step is idempotent on replay: a drainer killed anywhere leaves the journal set, and
 the next holder of the node's heap mutex finishes it before it allocates anything
@@ -33,7 +33,18 @@ from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cx
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
-from cxlrt.layout cimport CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING
+from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, CXL_LINE_SIZE,
+                           CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING, CXL_SMALL_MAGIC,
+                           cxl_chunk_word_off, cxl_link_batch_off, cxl_link_mark_off,
+                           cxl_link_next_off, cxl_rfree_jseq, cxl_rfree_jword,
+                           cxl_rfree_queue, cxl_rfree_queue_off, cxl_rfree_queues_rel,
+                           cxl_rq_count_off, cxl_rq_head_off, cxl_rq_jcount_off,
+                           cxl_rq_jword_off, cxl_rq_seq_off, cxl_small_bitmap_bytes,
+                           cxl_small_bitmap_off, cxl_small_data_off, cxl_small_header,
+                           cxl_small_magic_off, cxl_small_owner_off)
+# table words (layout.pxd documents their fields)
+from cxlrt.layout cimport (cxl_ck_kind as _kind, cxl_ck_low as _low, cxl_ck_owner as _owner,
+                           cxl_ck_word as _word)
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
 from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService, cxl_lock_acquire,
@@ -48,25 +59,9 @@ from cxlrt.errors import OutOfMemory, OutOfRangeError, RegionError
 
 
 cdef enum:
-    CHUNK = 65536
-    KIND_SMALL = 1
-    KIND_LARGE = 2
-    KIND_TAIL = 3
-    SMALL_MAGIC = 0x534D4C43
-    RFREE_BYTES = 4096
+    CHUNK = CXL_CHUNK
     CLASS_SHIFT0 = 6          # CLASSES[c] == 1 << (CLASS_SHIFT0 + c)
-    # cxl_rfree_queue (layout.pxd): line 0 under the allocator lock, line 1 the owner's; the
-    # three words of line 0, and of a link line, are read together (_observe3)
-    RQ_HEAD = 0
-    RQ_COUNT = 8
-    RQ_SEQ = 16
-    RQ_JWORD = 64
-    RQ_JCOUNT = 72
-    SEQ_MASK = 0xFFFF
-    # link line of a remote-freed object: next, mark, batch seq (once applied)
-    LINK_NEXT = 0
-    LINK_MARK = 8
-    LINK_BATCH = 16
+    SEQ_MASK = 0xFFFF         # a queue's seq, mod 2**16 (cxl_rfree_queue)
     PEEK_EVERY = 256          # heap-mutex sections between two looks at our own queue
     RELEASE_HINTS = 32        # chunks a drain may find emptied and give back
     AWAIT_SLICE_NS = 200000   # polling period while we wait for our own first beat after a stall
@@ -83,10 +78,10 @@ CLASSES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 def _geometry(int cls):
     """(nslots, data_start) of a chunk of `cls`-byte objects: header, bitmap, slots."""
-    n = (CHUNK - 64) // cls
+    n = (CHUNK - sizeof(cxl_small_header)) // cls
     while True:
-        bitmap = ((n + 63) // 64) * 8
-        start = (64 + bitmap + cls - 1) // cls * cls
+        bitmap = cxl_small_bitmap_bytes(n)
+        start = (sizeof(cxl_small_header) + bitmap + cls - 1) // cls * cls
         if start + n * cls <= CHUNK:
             return n, start
         n -= 1
@@ -100,36 +95,20 @@ for _i, _c in enumerate(CLASSES):
 
 # --- table words --------------------------------------------------------------------
 
-cdef inline uint64_t _word(uint64_t kind, uint64_t owner, uint64_t low) noexcept nogil:
-    return (kind << 62) | ((owner & 0xFF) << 48) | (low & <uint64_t>0xFFFFFFFFULL)
-
-
-cdef inline uint32_t _kind(uint64_t w) noexcept nogil:
-    return <uint32_t>(w >> 62)
-
-
-cdef inline uint32_t _owner(uint64_t w) noexcept nogil:
-    return <uint32_t>((w >> 48) & 0xFF)
-
-
-cdef inline uint32_t _low(uint64_t w) noexcept nogil:
-    return <uint32_t>(w & <uint64_t>0xFFFFFFFFULL)
-
-
 cdef inline uint64_t _chunk_off(cxl_allocctx* A, uint64_t k) noexcept nogil:
     return A.heap_off + k * CHUNK
 
 
 cdef inline int _table_observe(cxl_allocctx* A, uint64_t k, uint64_t* w) noexcept nogil:
     """Observe table[k] (another node may have changed it under the lock)."""
-    return cxl_observe64(A.r, A.table_off + k * 8, w)
+    return cxl_observe64(A.r, cxl_chunk_word_off(A.table_off, k), w)
 
 
 cdef inline int _table_set(cxl_allocctx* A, uint64_t k, uint64_t w) noexcept nogil:
     """Write table[k]; the caller holds the allocator lock and publishes."""
     CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"table word written without the lock")
     CXL_ASSERT(k < A.nchunks, b"table word written past the end of the table")
-    return cxl_store64(A.r, A.table_off + k * 8, w)
+    return cxl_store64(A.r, cxl_chunk_word_off(A.table_off, k), w)
 
 
 cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexcept nogil:
@@ -146,7 +125,7 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
         line[j] = w
     while n > 0 and rc == 0:
         if (k & 7) == 0 and n >= 8:
-            rc = cxl_store(A.r, A.table_off + k * 8, line, 64)
+            rc = cxl_store(A.r, cxl_chunk_word_off(A.table_off, k), line, 64)
             cxl_fence_release()  # a plain copy: keep it before the stores that follow
             k += 8
             n -= 8
@@ -165,19 +144,19 @@ cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noex
     cdef uint32_t nslots = CLASS_SLOTS[c], words = (nslots + 63) // 64, i, b
     cdef int rc
     for i in range(words):
-        rc = cxl_load64(A.r, base + 64 + i * 8, &w)  # our own bitmap: no observe
+        rc = cxl_load64(A.r, cxl_small_bitmap_off(base, i), &w)  # our own bitmap: no observe
         if rc != 0:
             return rc
         full = <uint64_t>-1 if (i + 1) * 64 <= nslots else ((<uint64_t>1 << (nslots - i * 64)) - 1)
         if (w & full) != full:
             b = <uint32_t>cxl_ctz64(~w)
             CXL_ASSERT(i * 64 + b < nslots, b"bitmap hands out a slot past the chunk's last")
-            rc = cxl_store64(A.r, base + 64 + i * 8, w | (<uint64_t>1 << b))
+            rc = cxl_store64(A.r, cxl_small_bitmap_off(base, i), w | (<uint64_t>1 << b))
             if rc == 0:
                 # Publish the bit before the object is handed out: another node
                 # validating a free of it must see it allocated. The hand-out is a
                 # store, so ordering before later stores is enough (cxl_publish).
-                rc = cxl_publish(A.r, base + 64 + i * 8, 8)
+                rc = cxl_publish(A.r, cxl_small_bitmap_off(base, i), 8)
             if rc == 0:
                 out[0] = base + CLASS_DATA[c] + (i * 64 + b) * CLASS_SIZE[c]
                 if unlikely(_armed[0]):
@@ -190,10 +169,11 @@ cdef int _chunk_live(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* live) no
     """Count set bits of chunk k's bitmap (observed: used by any node)."""
     cdef uint64_t base = _chunk_off(A, k), w = 0, n = 0
     cdef uint32_t words = (CLASS_SLOTS[c] + 63) // 64, i
-    cdef int rc = cxl_flush(A.r, base + 64, words * 8)
+    cdef int rc = cxl_flush(A.r, cxl_small_bitmap_off(base, 0),
+                            cxl_small_bitmap_bytes(CLASS_SLOTS[c]))
     for i in range(words):
         if rc == 0:
-            rc = cxl_load64(A.r, base + 64 + i * 8, &w)
+            rc = cxl_load64(A.r, cxl_small_bitmap_off(base, i), &w)
             n += cxl_popcount64(w)
     live[0] = n
     return rc
@@ -205,7 +185,7 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
 
     *left receives the bitmap word after the clear (0 hints the chunk may be empty).
     """
-    cdef uint64_t off = _chunk_off(A, k) + 64 + (slot // 64) * 8, w = 0
+    cdef uint64_t off = cxl_small_bitmap_off(_chunk_off(A, k), slot // 64), w = 0
     cdef uint64_t bit = <uint64_t>1 << (slot % 64)
     cdef int rc
     CXL_ASSERT(c < CXL_NCLASSES, b"clearing a slot of no size class")
@@ -240,12 +220,12 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
             # Observe the line as we reach it, and read it whole (each load of one
             # word pays its own checks).
             m = min(<uint64_t>8, A.nchunks - b)
-            rc = cxl_flush(A.r, A.table_off + b * 8, m * 8)
+            rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, b), m * sizeof(uint64_t))
             if rc == 0 and m == 8:
-                rc = cxl_load(A.r, A.table_off + b * 8, line, 64)
+                rc = cxl_load(A.r, cxl_chunk_word_off(A.table_off, b), line, 64)
             elif rc == 0:
                 for j in range(m):
-                    rc = cxl_load64(A.r, A.table_off + (b + j) * 8, &line[j])
+                    rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, b + j), &line[j])
                     if rc != 0:
                         break
             if rc != 0:
@@ -260,7 +240,7 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
             k += 1
         else:
             run = 0
-            k += _low(w) if _kind(w) == KIND_LARGE and _low(w) > 1 else 1
+            k += _low(w) if _kind(w) == CXL_CK_LARGE and _low(w) > 1 else 1
     return CXLRT_E_NOMEM
 
 
@@ -274,13 +254,13 @@ cdef inline bint _table_ok(cxl_allocctx* A) noexcept nogil:
     while k < A.nchunks:
         if _table_observe(A, k, &w) != 0:
             return False
-        if _kind(w) == KIND_SMALL and (_low(w) >= CXL_NCLASSES or _owner(w) >= A.nodes):
+        if _kind(w) == CXL_CK_SMALL and (_low(w) >= CXL_NCLASSES or _owner(w) >= A.nodes):
             return False
-        if _kind(w) == KIND_LARGE:
+        if _kind(w) == CXL_CK_LARGE:
             if _low(w) == 0 or k + _low(w) > A.nchunks or _owner(w) >= A.nodes:
                 return False
             for j in range(1, _low(w)):
-                if _table_observe(A, k + j, &t) != 0 or t != _word(KIND_TAIL, _owner(w), k):
+                if _table_observe(A, k + j, &t) != 0 or t != _word(CXL_CK_TAIL, _owner(w), k):
                     return False
             k += _low(w)
         else:
@@ -348,7 +328,7 @@ cdef inline int _published(cxl_allocctx* A, uint64_t t0, int rc) noexcept nogil:
 
 cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     """Take a free chunk for class c: table word under the lock, then header + bitmap."""
-    cdef uint64_t k = 0, base, i, t0 = 0
+    cdef uint64_t k = 0, base, i, t0 = 0, hdr_bitmap
     cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
@@ -356,9 +336,9 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     if rc == 0:
         rc = _fence(A, t0)  # k was free when we looked: only if the lock stayed ours
     if rc == 0:
-        rc = _table_set(A, k, _word(KIND_SMALL, A.node, c))
+        rc = _table_set(A, k, _word(CXL_CK_SMALL, A.node, c))
     if rc == 0:
-        rc = cxl_persist(A.r, A.table_off + k * 8, 8)
+        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), 8)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc != 0:
@@ -366,22 +346,26 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     base = _chunk_off(A, k)
     # The chunk is ours now: drop any copy of its lines we kept from an earlier
     # life, zero its bitmap and write the header, magic last.
-    rc = cxl_flush(A.r, base, 64 + ((CLASS_SLOTS[c] + 63) // 64) * 8)
+    hdr_bitmap = sizeof(cxl_small_header) + cxl_small_bitmap_bytes(CLASS_SLOTS[c])
+    rc = cxl_flush(A.r, base, hdr_bitmap)
     if rc != 0:
         return rc
     for i in range(0, (CLASS_SLOTS[c] + 63) // 64):
-        rc = cxl_store64(A.r, base + 64 + i * 8, 0)
+        rc = cxl_store64(A.r, cxl_small_bitmap_off(base, i), 0)
         if rc != 0:
             return rc
-    rc = cxl_store64(A.r, base + 8, (<uint64_t>CLASS_SLOTS[c] << 32) | A.node)
+    # owner, then nslots; data_start, then reserved0 (zero)
+    rc = cxl_store64(A.r, cxl_small_owner_off(base), (<uint64_t>CLASS_SLOTS[c] << 32) | A.node)
     if rc == 0:
-        rc = cxl_store64(A.r, base + 16, CLASS_DATA[c])
+        rc = cxl_store64(A.r, cxl_small_data_off(base), CLASS_DATA[c])
     if rc == 0:
-        rc = cxl_persist(A.r, base, 64 + ((CLASS_SLOTS[c] + 63) // 64) * 8)
+        rc = cxl_persist(A.r, base, hdr_bitmap)
     if rc == 0:
-        rc = cxl_store64(A.r, base, (<uint64_t>CLASS_SIZE[c] << 32) | SMALL_MAGIC)
+        # magic, then size_class
+        rc = cxl_store64(A.r, cxl_small_magic_off(base),
+                         (<uint64_t>CLASS_SIZE[c] << 32) | CXL_SMALL_MAGIC)
     if rc == 0:
-        rc = cxl_persist(A.r, base, 8)
+        rc = cxl_persist(A.r, cxl_small_magic_off(base), 8)
     chunk[0] = k
     return rc
 
@@ -398,7 +382,7 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
         return rc
     # Observe the whole line first: its other words belong to other chunks, and a
     # write-back of a stale copy would revert their owners' updates.
-    rc = cxl_flush(A.r, A.table_off + k * 8, 8)
+    rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), 8)
     if rc == 0:
         rc = _fence(A, t0)
     if rc == 0:
@@ -410,7 +394,7 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
     if rc == 0:
         rc = _table_set(A, k, 0)
     if rc == 0:
-        rc = cxl_persist(A.r, A.table_off + k * 8, 8)
+        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), 8)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
@@ -419,7 +403,7 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
 # --- remote-free queues ----------------------------------------------------------------
 
 cdef inline uint64_t _queue(cxl_allocctx* A, uint32_t node) noexcept nogil:
-    return A.rfree_off + <uint64_t>node * RFREE_BYTES
+    return cxl_rfree_queue_off(A.rfree_off, node)
 
 
 cdef inline bint _objlike(cxl_allocctx* A, uint64_t x) noexcept nogil:
@@ -439,7 +423,7 @@ cdef int _slot_of(cxl_allocctx* A, uint64_t x, uint64_t* k, uint32_t* c,
     if rc != 0:
         return rc
     c[0] = _low(w)
-    if _kind(w) != KIND_SMALL or _owner(w) != A.node or c[0] >= CXL_NCLASSES \
+    if _kind(w) != CXL_CK_SMALL or _owner(w) != A.node or c[0] >= CXL_NCLASSES \
             or x < _chunk_off(A, k[0]) + CLASS_DATA[c[0]]:
         return 1
     rel = x - _chunk_off(A, k[0]) - CLASS_DATA[c[0]]
@@ -449,24 +433,35 @@ cdef int _slot_of(cxl_allocctx* A, uint64_t x, uint64_t* k, uint32_t* c,
     return 0
 
 
-cdef int _observe3(cxl_allocctx* A, uint64_t off, uint64_t nflush, uint64_t* w0,
-                   uint64_t* w1, uint64_t* w2) noexcept nogil:
-    """Drop our copy of `nflush` bytes at off, then load the three words at off."""
+cdef int _observe3(cxl_allocctx* A, uint64_t off, uint64_t nflush, uint64_t o0, uint64_t* w0,
+                   uint64_t o1, uint64_t* w1, uint64_t o2, uint64_t* w2) noexcept nogil:
+    """Drop our copy of `nflush` bytes at off, then load the words at o0, o1 and o2."""
     cdef int rc = cxl_flush(A.r, off, nflush)
     if rc == 0:
-        rc = cxl_load64(A.r, off, w0)
+        rc = cxl_load64(A.r, o0, w0)
     if rc == 0:
-        rc = cxl_load64(A.r, off + 8, w1)
+        rc = cxl_load64(A.r, o1, w1)
     if rc == 0:
-        rc = cxl_load64(A.r, off + 16, w2)
+        rc = cxl_load64(A.r, o2, w2)
+    return rc
+
+
+cdef inline int _q_observe(cxl_allocctx* A, uint64_t q, uint64_t* head, uint64_t* count,
+                           uint64_t* seq, uint64_t* jword) noexcept nogil:
+    """Observe both lines of queue q: line 0's head, count and seq, and the owner's
+    journal word."""
+    cdef int rc = _observe3(A, q, 2 * CXL_LINE_SIZE, cxl_rq_head_off(q), head,
+                            cxl_rq_count_off(q), count, cxl_rq_seq_off(q), seq)
+    if rc == 0:
+        rc = cxl_load64(A.r, cxl_rq_jword_off(q), jword)
     return rc
 
 
 cdef inline int _link_read(cxl_allocctx* A, uint64_t x, uint64_t* nxt, uint64_t* mark,
                            uint64_t* batch) noexcept nogil:
-    """Observe the link line of a remote-freed object x (its first line):
-    LINK_NEXT, LINK_MARK, LINK_BATCH."""
-    return _observe3(A, x, 64, nxt, mark, batch)
+    """Observe the link line of a remote-freed object x (its first line, cxl_rfree_link)."""
+    return _observe3(A, x, CXL_LINE_SIZE, cxl_link_next_off(x), nxt, cxl_link_mark_off(x), mark,
+                     cxl_link_batch_off(x), batch)
 
 
 cdef int _q_write(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t count,
@@ -479,15 +474,16 @@ cdef int _q_write(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t count,
     """
     cdef int rc
     CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"queue line written without the lock")
-    CXL_ASSERT((q - A.rfree_off) % RFREE_BYTES == 0, b"not a remote-free queue's line 0")
+    CXL_ASSERT((q - A.rfree_off) % sizeof(cxl_rfree_queue) == 0,
+               b"not a remote-free queue's line 0")
     CXL_ASSERT(q < _queue(A, A.nodes), b"a remote-free queue past the last node's")
-    rc = cxl_store64(A.r, q + RQ_COUNT, count)
+    rc = cxl_store64(A.r, cxl_rq_count_off(q), count)
     if rc == 0:
-        rc = cxl_store64(A.r, q + RQ_HEAD, head)
+        rc = cxl_store64(A.r, cxl_rq_head_off(q), head)
     if rc == 0:
-        rc = cxl_store64(A.r, q + RQ_SEQ, seq)
+        rc = cxl_store64(A.r, cxl_rq_seq_off(q), seq)
     if rc == 0:
-        rc = cxl_persist(A.r, q, 64)
+        rc = cxl_persist(A.r, cxl_rq_head_off(q), CXL_LINE_SIZE)
     return rc
 
 
@@ -503,16 +499,14 @@ cdef int _q_settle(cxl_allocctx* A, uint64_t q, uint64_t t0, uint64_t* head,
     owner follow it. *jword receives the journal word.
     """
     cdef uint64_t jw = 0
-    # Observe the queue line (RQ_HEAD, RQ_COUNT, RQ_SEQ) and the owner's journal line.
-    cdef int rc = _observe3(A, q, 128, head, count, seq)
-    if rc == 0:
-        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+    # Observe the queue line (head, count, seq) and the owner's journal line.
+    cdef int rc = _q_observe(A, q, head, count, seq, &jw)
     jword[0] = jw
     if rc != 0:
         return rc
     seq[0] &= SEQ_MASK
-    if (jw >> 48) != seq[0]:
-        seq[0] = jw >> 48
+    if cxl_rfree_jseq(jw) != seq[0]:
+        seq[0] = cxl_rfree_jseq(jw)
     elif head[0] == 0 or _objlike(A, head[0]):
         return 0
     head[0] = 0
@@ -533,12 +527,10 @@ cdef int _q_recheck(cxl_allocctx* A, uint64_t q, uint64_t t0, uint64_t head, uin
     under its heap mutex alone, but commits one (a new seq) only under the lock."""
     cdef uint64_t h = 0, n = 0, s = 0, j = 0
     # Observe both lines again (pairs with the other holder's _q_write and commit).
-    cdef int rc = _observe3(A, q, 128, &h, &n, &s)
-    if rc == 0:
-        rc = cxl_load64(A.r, q + RQ_JWORD, &j)
+    cdef int rc = _q_observe(A, q, &h, &n, &s, &j)
     if rc != 0:
         return rc
-    if h != head or n != count or (s & SEQ_MASK) != seq or (j >> 48) != (jw >> 48):
+    if h != head or n != count or (s & SEQ_MASK) != seq or cxl_rfree_jseq(j) != cxl_rfree_jseq(jw):
         return CXLRT_E_FENCED
     return _fence(A, t0)
 
@@ -567,7 +559,7 @@ cdef bint _on_list(cxl_allocctx* A, uint64_t e, uint64_t x) noexcept nogil:
     while e != 0 and n < A.max_objects:
         if e == x:
             return True
-        if not _objlike(A, e) or cxl_observe64(A.r, e + LINK_NEXT, &nxt) != 0 \
+        if not _objlike(A, e) or cxl_observe64(A.r, cxl_link_next_off(e), &nxt) != 0 \
                 or (nxt != 0 and _loops(nxt, &tortoise, &power, &lam)):
             return False
         e = nxt
@@ -583,7 +575,7 @@ cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexce
     cdef uint64_t jw = 0
     if _on_list(A, head, x):
         return True
-    if cxl_observe64(A.r, q + RQ_JWORD, &jw) != 0:
+    if cxl_observe64(A.r, cxl_rq_jword_off(q), &jw) != 0:
         return True  # cannot tell: refuse rather than link x into two lists
     return _on_list(A, jw & CXL_OFF_MASK, x)
 
@@ -599,7 +591,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
     cdef uint64_t q, bm, bw = 0, head = 0, count = 0, seq = 0, nxt = 0, mark = 0, batch = 0
     cdef uint64_t t0 = 0, jw = 0
     cdef int rc
-    bm = _chunk_off(A, k) + 64 + (slot // 64) * 8  # the owner's bitmap word: still live?
+    bm = cxl_small_bitmap_off(_chunk_off(A, k), slot // 64)  # the owner's bitmap word: still live?
     rc = cxl_flush(A.r, bm, 8)
     if rc == 0:
         rc = cxl_load64(A.r, bm, &bw)
@@ -620,13 +612,13 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
         # The object is ours (the freer's) until it is on the list: link it and publish
         # the link, then the head that makes the owner follow it. A crash in between
         # leaves at most a stale PENDING mark, which _queued tells from a queued object.
-        rc = cxl_store64(A.r, off + LINK_NEXT, head)
+        rc = cxl_store64(A.r, cxl_link_next_off(off), head)
         if rc == 0:
-            rc = cxl_store64(A.r, off + LINK_BATCH, 0)
+            rc = cxl_store64(A.r, cxl_link_batch_off(off), 0)
         if rc == 0:
-            rc = cxl_store64(A.r, off + LINK_MARK, CXL_RFREE_PENDING ^ off)
+            rc = cxl_store64(A.r, cxl_link_mark_off(off), CXL_RFREE_PENDING ^ off)
         if rc == 0:
-            rc = cxl_persist(A.r, off, 64)
+            rc = cxl_persist(A.r, off, CXL_LINE_SIZE)
     if rc == 0 and unlikely(_armed[0]):
         cxl_crash_hit(b"free.remote")
     if rc == 0:
@@ -644,9 +636,9 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
 cdef int _journal_pending(cxl_allocctx* A, bint* pending) noexcept nogil:
     """Whether our journal holds a batch not yet applied to the end."""
     cdef uint64_t q = _queue(A, A.node), jw = 0
-    cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
+    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), 8)
     if rc == 0:
-        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+        rc = cxl_load64(A.r, cxl_rq_jword_off(q), &jw)
     pending[0] = (jw & CXL_OFF_MASK) != 0
     return rc
 
@@ -670,13 +662,13 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     cdef uint32_t empty_c[RELEASE_HINTS]
     cdef uint32_t c = 0, nempty = 0, j
     # Observe even our own line: another process of this node may have written it.
-    cdef int rc = cxl_flush(A.r, q + RQ_JWORD, 8)
+    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), 8)
     if rc == 0:
-        rc = cxl_load64(A.r, q + RQ_JWORD, &jw)
+        rc = cxl_load64(A.r, cxl_rq_jword_off(q), &jw)
     if rc != 0 or (jw & CXL_OFF_MASK) == 0:
         return rc
     x = jw & CXL_OFF_MASK
-    js = jw >> 48
+    js = cxl_rfree_jseq(jw)
     tortoise = x
     while x != 0 and n < A.max_objects:
         rc = _slot_of(A, x, &k, &c, &slot)
@@ -687,11 +679,11 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         if mark == (CXL_RFREE_PENDING ^ x):
             # The batch first, then the mark: a prefix of the two stores still reads
             # PENDING, which a replay applies again.
-            rc = cxl_store64(A.r, x + LINK_BATCH, js)
+            rc = cxl_store64(A.r, cxl_link_batch_off(x), js)
             if rc == 0:
-                rc = cxl_store64(A.r, x + LINK_MARK, CXL_RFREE_APPLIED ^ x)
+                rc = cxl_store64(A.r, cxl_link_mark_off(x), CXL_RFREE_APPLIED ^ x)
             if rc == 0:
-                rc = cxl_persist(A.r, x, 64)  # and drops our copy of the line
+                rc = cxl_persist(A.r, x, CXL_LINE_SIZE)  # and drops our copy of the line
             if rc != 0:
                 break
         elif mark != (CXL_RFREE_APPLIED ^ x) or batch != js:
@@ -720,11 +712,11 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         n += 1
     if rc < 0:
         return rc  # an access failed: the journal stays for the next try
-    rc = cxl_store64(A.r, q + RQ_JCOUNT, 0)
+    rc = cxl_store64(A.r, cxl_rq_jcount_off(q), 0)
     if rc == 0:
-        rc = cxl_store64(A.r, q + RQ_JWORD, js << 48)  # closed: seq kept, no batch
+        rc = cxl_store64(A.r, cxl_rq_jword_off(q), cxl_rfree_jword(js, 0))  # closed: seq kept
     if rc == 0:
-        rc = cxl_persist(A.r, q + 64, 64)
+        rc = cxl_persist(A.r, cxl_rq_jword_off(q), CXL_LINE_SIZE)
     for j in range(nempty):
         if rc != 0:
             break
@@ -751,9 +743,9 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     cdef uint64_t q = _queue(A, A.node), head = 0, count = 0, seq = 0, js, jw = 0, t0 = 0
     cdef int rc = _journal_apply(A, applied)
     if rc == 0:
-        rc = cxl_flush(A.r, q, 64)  # peek without the lock
+        rc = cxl_flush(A.r, cxl_rq_head_off(q), CXL_LINE_SIZE)  # peek without the lock
     if rc == 0:
-        rc = cxl_load64(A.r, q + RQ_HEAD, &head)
+        rc = cxl_load64(A.r, cxl_rq_head_off(q), &head)
     if rc != 0 or head == 0:
         return rc
     rc = _alloc_lock(A, &t0)
@@ -764,17 +756,18 @@ cdef int _drain_locked(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         js = (seq + 1) & SEQ_MASK
         rc = _fence(A, t0)  # the list we observed is the whole queue only if so
         if rc == 0:
-            rc = cxl_store64(A.r, q + RQ_JCOUNT, count)
+            rc = cxl_store64(A.r, cxl_rq_jcount_off(q), count)
         if rc == 0:
-            rc = cxl_store64(A.r, q + RQ_JWORD, (js << 48) | head)
+            rc = cxl_store64(A.r, cxl_rq_jword_off(q), cxl_rfree_jword(js, head))
         if rc == 0:
-            rc = cxl_persist(A.r, q + 64, 64)  # the commit: the list is the batch's now
+            # the commit: the list is the batch's now
+            rc = cxl_persist(A.r, cxl_rq_jword_off(q), CXL_LINE_SIZE)
         if rc == 0 and unlikely(_armed[0]):
             cxl_crash_hit(b"alloc.drain.detach")
         if rc == 0:
             # Emptying the queue drops whatever was pushed since we observed it: only
             # if nothing was (the line is as we saw it) and the lock stayed ours.
-            rc = _q_recheck(A, q, t0, head, count, seq, (js << 48) | head)
+            rc = _q_recheck(A, q, t0, head, count, seq, cxl_rfree_jword(js, head))
         if rc == 0:
             rc = _published(A, t0, _q_write(A, q, 0, 0, js))
     _walk_locked(A, rc)
@@ -792,7 +785,7 @@ cdef void _peek_drain(cxl_allocctx* A) noexcept nogil:
     to report: the alloc or free that got us here has succeeded.
     """
     cdef uint64_t q = _queue(A, A.node), head = 0, applied = 0
-    if cxl_observe64(A.r, q + RQ_HEAD, &head) == 0 and head:
+    if cxl_observe64(A.r, cxl_rq_head_off(q), &head) == 0 and head:
         _drain_locked(A, &applied)
 
 
@@ -842,7 +835,7 @@ cdef int _scan_own(cxl_allocctx* A, uint32_t c, uint64_t skip, uint64_t* found) 
         rc = _table_observe(A, k, &w)
         if rc != 0:
             return rc
-        if w == _word(KIND_SMALL, A.node, c):
+        if w == _word(CXL_CK_SMALL, A.node, c):
             rc = _chunk_live(A, k, c, &live)
             if rc != 0:
                 return rc
@@ -928,11 +921,11 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
     if rc == 0:
         rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
     if rc == 0:
-        rc = _table_fill(A, k + 1, n - 1, _word(KIND_TAIL, A.node, k))
+        rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
     if rc == 0:
-        rc = _table_set(A, k, _word(KIND_LARGE, A.node, n))
+        rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
     if rc == 0:
-        rc = cxl_persist(A.r, A.table_off + k * 8, n * 8)
+        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
         if rc == 0 and unlikely(_armed[0]):
             cxl_crash_hit(b"alloc.large")
     _walk_locked(A, rc)
@@ -954,22 +947,22 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     rc = _table_observe(A, k, &w)
     if rc != 0:
         return rc
-    if w == 0 or _kind(w) == KIND_TAIL:
+    if w == 0 or _kind(w) == CXL_CK_TAIL:
         return CXLRT_E_BADFREE
-    if _kind(w) == KIND_LARGE:
+    if _kind(w) == CXL_CK_LARGE:
         if off != _chunk_off(A, k):
             return CXLRT_E_BADFREE
         rc = _alloc_lock(A, &t0)
         if rc != 0:
             return rc
         rc = _table_observe(A, k, &w)  # again, under the lock: someone may have freed it
-        if rc == 0 and _kind(w) != KIND_LARGE:
+        if rc == 0 and _kind(w) != CXL_CK_LARGE:
             rc = CXLRT_E_DOUBLEFREE
         n = _low(w)
         if rc == 0 and (n == 0 or k + n > A.nchunks):
             rc = CXLRT_E_CORRUPT
         if rc == 0:  # observe every line we are about to rewrite (see _release_chunk)
-            rc = cxl_flush(A.r, A.table_off + k * 8, n * 8)
+            rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
         if rc == 0:
             rc = _fence(A, t0)
         if rc == 0:  # the head first: a process killed part-way leaves orphan tails
@@ -980,11 +973,12 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:
             rc = _table_fill(A, k + 1, n - 1, 0)
         if rc == 0:
-            rc = _published(A, t0, cxl_persist(A.r, A.table_off + k * 8, n * 8))
+            rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k),
+                                               n * sizeof(uint64_t)))
         _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         return rc
-    if _kind(w) != KIND_SMALL:
+    if _kind(w) != CXL_CK_SMALL:
         return CXLRT_E_CORRUPT
     c = _low(w)
     owner = _owner(w)
@@ -1059,7 +1053,7 @@ cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
         if rc != 0:
             break
         rc = _table_observe(A, k, &w)
-        if rc == 0 and _kind(w) == KIND_SMALL and _owner(w) == A.node and _low(w) < CXL_NCLASSES:
+        if rc == 0 and _kind(w) == CXL_CK_SMALL and _owner(w) == A.node and _low(w) < CXL_NCLASSES:
             c = _low(w)
             rc = _chunk_live(A, k, c, &live)
             if rc == 0 and live == 0:
@@ -1102,7 +1096,7 @@ cdef class Allocator:
         self.A.heap_off, heap_len = region.sections["heap"]
         self.A.nchunks = heap_len // CHUNK
         self.A.table_off = alloc_off
-        self.A.rfree_off = alloc_off + (self.A.nchunks * 8 + 4095) // 4096 * 4096
+        self.A.rfree_off = alloc_off + cxl_rfree_queues_rel(self.A.nchunks)
         self.A.node = region.node
         self.A.nodes = region.nodes
         self.A.max_objects = self.A.nchunks * CLASS_SLOTS[0]
@@ -1187,6 +1181,11 @@ cdef class Allocator:
 def table_word(uint64_t w):
     """Decode a chunk-table word: (kind, owner, low)."""
     return _kind(w), _owner(w), _low(w)
+
+
+def table_word_pack(uint64_t kind, uint64_t owner, uint64_t low):
+    """Encode a chunk-table word (the inverse of table_word)."""
+    return _word(kind, owner, low)
 
 
 def class_geometry():

@@ -143,24 +143,26 @@ cdef inline int cxl_store(const cxl_region* r, uint64_t off, const void* src, ui
     return r.ops.store(r.ctx, off, src, n)
 
 
-cdef inline int cxl_flush(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
-    """Write back and drop the lines of [off, off+n); complete on return."""
+cdef inline int _cxl_flush_range(const cxl_region* r, uint64_t off, uint64_t n,
+                                 bint drain) noexcept nogil:
+    """cxl_flush (drain) or cxl_flush_nodrain: range check, then the slot unless the
+    medium is coherent (drain is a constant at every call: the branch folds away)."""
     cdef int rc = cxl_check_range(r, off, n)
     if unlikely(rc != 0):
         return rc
     if r.flags & CXL_F_NOFLUSH:
         return 0
-    return r.ops.flush(r.ctx, off, n)
+    return r.ops.flush(r.ctx, off, n) if drain else r.ops.flush_nodrain(r.ctx, off, n)
+
+
+cdef inline int cxl_flush(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Write back and drop the lines of [off, off+n); complete on return."""
+    return _cxl_flush_range(r, off, n, True)
 
 
 cdef inline int cxl_flush_nodrain(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
     """Start writing back [off, off+n); only the next cxl_fence() completes it."""
-    cdef int rc = cxl_check_range(r, off, n)
-    if unlikely(rc != 0):
-        return rc
-    if r.flags & CXL_F_NOFLUSH:
-        return 0
-    return r.ops.flush_nodrain(r.ctx, off, n)
+    return _cxl_flush_range(r, off, n, False)
 
 
 cdef inline int cxl_fence(const cxl_region* r) noexcept nogil:

@@ -43,11 +43,19 @@ from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_now_ns, 
                                     likely, unlikely)
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64
+from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_chan_claim_epoch_off, cxl_chan_claim_off,
+                           cxl_chan_claim_owner_off, cxl_chan_claim_run_off,
+                           cxl_chan_claim_src_off, cxl_chan_run_base_off, cxl_chan_run_flags_off,
+                           cxl_chan_run_key_off, cxl_chan_run_line, cxl_chan_run_seq_off,
+                           cxl_chan_run_src_off,
+                           cxl_chan_runs_off, cxl_chan_slot_num_off)
 from cxlrt.liveness cimport Liveness, cxl_live_fenced, cxl_live_silent_since
 from cxlrt.region cimport Region
 from cxlrt.status cimport CXLRT_E_CHANCORRUPT, CXLRT_E_CHANLOST
 
+from cxlrt import layoutinfo
 from cxlrt.crash import point as _point
+from cxlrt.formats import Format
 from cxlrt.directory import check_name
 from cxlrt.errors import (ChannelBusyError, ChannelRoleLostError, DebugBuildRequired, LeaseLost,
                           RegionError)
@@ -71,6 +79,13 @@ cdef enum:
     _NOGIL_BYTES = 4096
 
 cdef uint64_t NONE = <uint64_t>-1
+
+# Member offsets for the Python layer's word-by-word writes (from the compiled structs).
+_HEADER = Format("cxl_chan_header")
+_CLAIM = Format("cxl_chan_claim")
+_CLAIM_AT = {f.name: f.offset for f in layoutinfo.fields("cxl_chan_claim")}
+_RUN_AT = {f.name: f.offset for f in layoutinfo.fields("cxl_chan_run")}
+_NODE_INCARNATION = layoutinfo.offset("cxl_node_area", "incarnation")
 
 assert sizeof(cxl_chan_header) == 64 and sizeof(cxl_chan_claim) == 64
 assert sizeof(cxl_chan_run) == 64
@@ -97,7 +112,7 @@ cdef inline int _observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexc
 
 cdef inline uint64_t _line(uint64_t runs, uint64_t x) noexcept nogil:
     """Offset of the line run `x` of a role lives on."""
-    return runs + (x % CXL_CHAN_RUNS) * 64
+    return cxl_chan_run_line(runs, x, CXL_CHAN_RUNS)
 
 
 cdef inline int _corrupt(cxl_chan* C, uint32_t kind, uint64_t value, uint64_t off) noexcept nogil:
@@ -115,7 +130,7 @@ cdef int _read_seq(const cxl_region* r, uint64_t line, uint64_t x, uint64_t* seq
     the counter, observed afresh after it, is run x's. Callers then confirm that the
     claim still names x."""
     cdef uint64_t tag = 0
-    cdef int rc = _observe64(r, line + 8, &tag)
+    cdef int rc = _observe64(r, cxl_chan_run_key_off(line), &tag)
     if rc != 0:
         return rc
     if tag != x:
@@ -129,15 +144,15 @@ cdef int _read_run(const cxl_region* r, uint64_t line, uint64_t x, uint64_t* bas
     another run (not written yet, or replaced meanwhile), or an error. The fields read
     here never change during run x (its counter, which does, is not read)."""
     cdef uint64_t tag = 0, tag2 = 0
-    cdef int rc = cxl_observe64(r, line + 8, &tag)
+    cdef int rc = cxl_observe64(r, cxl_chan_run_key_off(line), &tag)
     if rc == 0 and tag == x:
-        rc = cxl_load64(r, line + 16, base)
+        rc = cxl_load64(r, cxl_chan_run_base_off(line), base)
         if rc == 0:
-            rc = cxl_load64(r, line + 24, src)
+            rc = cxl_load64(r, cxl_chan_run_src_off(line), src)
         if rc == 0:
-            rc = cxl_load64(r, line + 32, flags)
+            rc = cxl_load64(r, cxl_chan_run_flags_off(line), flags)
         if rc == 0:
-            rc = cxl_load64(r, line + 8, &tag2)
+            rc = cxl_load64(r, cxl_chan_run_key_off(line), &tag2)
     if rc != 0:
         return rc
     return 0 if tag == x and tag2 == x else CXL_CHAN_AGAIN
@@ -157,17 +172,17 @@ cdef int _successor(cxl_chan* C, uint64_t claim, uint64_t runs, uint64_t x, uint
     # Each word observed afresh (the claim may change meanwhile); a run's source is
     # fixed when the run is claimed, so if the run is the same before and after, the
     # source we read is that run's.
-    cdef int rc = _observe64(C.r, claim + 8, &R)
+    cdef int rc = _observe64(C.r, cxl_chan_claim_run_off(claim), &R)
     if rc == 0:
-        rc = _observe64(C.r, claim + 16, &S)
+        rc = _observe64(C.r, cxl_chan_claim_src_off(claim), &S)
     if rc == 0:
-        rc = _observe64(C.r, claim + 8, &R2)
+        rc = _observe64(C.r, cxl_chan_claim_run_off(claim), &R2)
     if rc != 0:
         return rc
     if R != R2 or R == x:
         return CXL_CHAN_AGAIN
     if R < x:
-        return _corrupt(C, CXL_CHAN_BAD_RUN, R, claim + 8)
+        return _corrupt(C, CXL_CHAN_BAD_RUN, R, cxl_chan_claim_run_off(claim))
     cur = R
     rc = _read_run(C.r, _line(runs, cur), cur, &b, &s, &f)
     if rc < 0:
@@ -185,14 +200,14 @@ cdef int _successor(cxl_chan* C, uint64_t claim, uint64_t runs, uint64_t x, uint
             flags[0] = f
             return 0
         if s >= cur or s < x or steps >= CXL_CHAN_RUNS:
-            return _corrupt(C, CXL_CHAN_BAD_RUN, s, _line(runs, cur) + 24)
+            return _corrupt(C, CXL_CHAN_BAD_RUN, s, cxl_chan_run_src_off(_line(runs, cur)))
         cur = s
         steps += 1
         rc = _read_run(C.r, _line(runs, cur), cur, &b, &s, &f)
         if rc < 0:
             return rc
         if rc == CXL_CHAN_AGAIN:  # a run of the chain was replaced: its history is gone
-            return _corrupt(C, CXL_CHAN_BAD_RUN, cur, _line(runs, cur) + 8)
+            return _corrupt(C, CXL_CHAN_BAD_RUN, cur, cxl_chan_run_key_off(_line(runs, cur)))
 
 
 cdef inline int _epoch_ok(const cxl_region* r, uint64_t claim, uint64_t epoch,
@@ -283,17 +298,17 @@ cdef int _observe_head(cxl_chan* C) noexcept nogil:
         # still names it after we read head, so did the line when we read it.
         rc = _observe64(C.r, _line(C.cruns, C.c_run_seen), &h)
         if rc == 0:
-            rc = _observe64(C.r, C.cclaim + 8, &R)
+            rc = _observe64(C.r, cxl_chan_claim_run_off(C.cclaim), &R)
         if rc < 0:
             return rc
         if R != C.c_run_seen:
             rc = CXL_CHAN_AGAIN
     if rc != 0:  # the consumer's run changed: read the new one's head, then confirm it
-        rc = _observe64(C.r, C.cclaim + 8, &R)
+        rc = _observe64(C.r, cxl_chan_claim_run_off(C.cclaim), &R)
         if rc == 0:
             rc = _read_seq(C.r, _line(C.cruns, R), R, &h)
         if rc == 0:
-            rc = _observe64(C.r, C.cclaim + 8, &R2)
+            rc = _observe64(C.r, cxl_chan_claim_run_off(C.cclaim), &R2)
             if rc == 0 and R2 != R:
                 rc = CXL_CHAN_AGAIN
         if rc != 0:
@@ -427,7 +442,8 @@ cdef int _observe_tail(cxl_chan* C) noexcept nogil:
             if rc < 0:
                 return rc
             if rc != 0 or b != C.head:
-                return _corrupt(C, CXL_CHAN_BAD_RUN, C.p_next, _line(C.pruns, C.p_next) + 8)
+                return _corrupt(C, CXL_CHAN_BAD_RUN, C.p_next,
+                                cxl_chan_run_key_off(_line(C.pruns, C.p_next)))
             C.p_run_seen = C.p_next
             C.p_end = NONE
             if f & CXL_CHAN_RUN_HOLE:
@@ -437,7 +453,7 @@ cdef int _observe_tail(cxl_chan* C) noexcept nogil:
         rc = _observe64(C.r, _line(C.pruns, C.p_run_seen), &t)
         if rc != 0:
             return rc
-        rc = _observe64(C.r, C.pclaim + 8, &R)
+        rc = _observe64(C.r, cxl_chan_claim_run_off(C.pclaim), &R)
         if rc != 0:
             return rc
         if R == C.p_run_seen:
@@ -454,7 +470,7 @@ cdef int _observe_tail(cxl_chan* C) noexcept nogil:
         if rc != 0:
             return rc
         if unlikely(b - C.head > C.slots):
-            return _corrupt(C, CXL_CHAN_BAD_TAIL, b, _line(C.pruns, x) + 16)
+            return _corrupt(C, CXL_CHAN_BAD_TAIL, b, cxl_chan_run_base_off(_line(C.pruns, x)))
         C.p_end = b
         C.p_next = x
 
@@ -495,14 +511,14 @@ cdef int cxl_chan_peek(cxl_chan* C) noexcept nogil:
             continue
         break
     slot = C.ring + (C.head % C.slots) * C.slot_bytes
-    rc = cxl_dma_read(C.r, slot, C.first, 64)  # slot_bytes >= 64: inside the slot
+    rc = cxl_dma_read(C.r, slot, C.first, CXL_LINE_SIZE)  # slot_bytes >= a line: inside the slot
     if rc != 0:
         return rc
     memcpy(hdr, C.first, CXL_CHAN_LEN)
     if unlikely(hdr[0] > C.msg_bytes):
         return _corrupt(C, CXL_CHAN_BAD_LEN, hdr[0], slot)
     if unlikely(hdr[1] != C.head):
-        return _corrupt(C, CXL_CHAN_BAD_NUM, hdr[1], slot + 8)
+        return _corrupt(C, CXL_CHAN_BAD_NUM, hdr[1], cxl_chan_slot_num_off(slot))
     C.cur_len = hdr[0]
     return 0
 
@@ -533,7 +549,8 @@ cdef int cxl_chan_take(cxl_chan* C, char* out) noexcept nogil:
     C.c_lost_phase = 0
     memcpy(out, C.first + CXL_CHAN_LEN, n if n < CXL_CHAN_INLINE else CXL_CHAN_INLINE)
     if n > CXL_CHAN_INLINE:
-        rc = cxl_dma_read(C.r, slot + 64, out + CXL_CHAN_INLINE, n - CXL_CHAN_INLINE)
+        rc = cxl_dma_read(C.r, slot + CXL_CHAN_LEN + CXL_CHAN_INLINE, out + CXL_CHAN_INLINE,
+                          n - CXL_CHAN_INLINE)
         if rc != 0:
             return rc
     if unlikely(_armed[0]):
@@ -554,14 +571,14 @@ cdef int cxl_chan_release(const cxl_region* r, uint64_t claim, uint64_t epoch,
     a process that took the role over is the line's writer now, and a line has one
     writer. One word: a partial write-back cannot mix two claims."""
     cdef uint64_t e = 0, o = 0
-    cdef int rc = cxl_observe64(r, claim, &e)
+    cdef int rc = cxl_observe64(r, cxl_chan_claim_epoch_off(claim), &e)
     if rc == 0:
-        rc = cxl_load64(r, claim + 24, &o)
+        rc = cxl_load64(r, cxl_chan_claim_owner_off(claim), &o)
     if rc != 0 or e != epoch or o != owner:
         return rc
-    rc = cxl_store64(r, claim + 24, 0)
+    rc = cxl_store64(r, cxl_chan_claim_owner_off(claim), 0)
     if rc == 0:
-        rc = cxl_persist(r, claim, 64)
+        rc = cxl_persist(r, claim, sizeof(cxl_chan_claim))
     return rc
 
 
@@ -598,7 +615,7 @@ def _check_count(what, value, lo, hi):
 
 
 def _slot_bytes(msg_bytes):
-    return (CXL_CHAN_LEN + msg_bytes + 63) // 64 * 64
+    return (CXL_CHAN_LEN + msg_bytes + CXL_LINE_SIZE - 1) // CXL_LINE_SIZE * CXL_LINE_SIZE
 
 
 def _deadline(timeout):
@@ -611,29 +628,27 @@ def _deadline(timeout):
     return cxl_now_ns() + <uint64_t>min(t * 1e9, 1e18)
 
 
-def _words(raw):
-    return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
-
-
 def _claim_words(r, uint64_t off):
     """The claim line at `off`, observed (one load of the line)."""
-    r.flush(off, 64)
-    epoch, run, src, owner, inc, start, pidns, boot = _words(r.load(off, 64))
-    return {"epoch": epoch, "run": run, "src": src, "owner": owner,
-            "node": (owner & 0xFFFFFFFF) - 1, "pid": owner >> 32, "incarnation": inc,
-            "start": start, "pidns": pidns, "boot": boot}
+    r.flush(off, _CLAIM.size)
+    c = _CLAIM.unpack(r.load(off, _CLAIM.size))
+    return {"epoch": c.epoch, "run": c.run, "src": c.src, "owner": c.owner,
+            "node": (c.owner & 0xFFFFFFFF) - 1, "pid": c.owner >> 32,
+            "incarnation": c.incarnation, "start": c.start, "pidns": c.pidns, "boot": c.boot}
 
 
 def _run_words(r, uint64_t runs, uint64_t x):
     """Run x's line, observed key first and key again; None if it holds another run."""
     line = _line(runs, x)
-    r.flush(line, 64)
-    if r.load64(line + 8) != x:
+    r.flush(line, sizeof(cxl_chan_run))
+    if r.load64(cxl_chan_run_key_off(line)) != x:
         return None
-    base, src, flags = r.load64(line + 16), r.load64(line + 24), r.load64(line + 32)
-    r.flush(line, 64)  # the counter may move meanwhile: observe it afresh
-    seq = r.load64(line)
-    if r.load64(line + 8) != x:
+    base = r.load64(cxl_chan_run_base_off(line))
+    src = r.load64(cxl_chan_run_src_off(line))
+    flags = r.load64(cxl_chan_run_flags_off(line))
+    r.flush(line, sizeof(cxl_chan_run))  # the counter may move meanwhile: observe it afresh
+    seq = r.load64(cxl_chan_run_seq_off(line))
+    if r.load64(cxl_chan_run_key_off(line)) != x:
         return None
     return {"seq": seq, "base": base, "src": src, "flags": flags, "line": line}
 
@@ -701,18 +716,16 @@ cdef class Channel:
         r = self.region
         sb = _slot_bytes(msg_bytes)
         total = CXL_CHAN_HEADER + slots * sb
-        off = r.alloc(total, 64)
+        off = r.alloc(total, CXL_LINE_SIZE)
         try:
             # Write back and drop whatever our node cached of this memory's earlier
             # life, so the DMAs below (and the producer's) are never over our dirty lines.
             r.flush(off, total)
             # No owners, epoch 0, run 0 (whose zero-filled line is valid: seq 0, base 0).
-            r.dma_write(off + 64, bytes(CXL_CHAN_HEADER - 64))
-            hdr = bytearray(64)
-            for i, v in enumerate((0, CXL_CHAN_VERSION, slots, msg_bytes, sb, CXL_CHAN_HEADER,
-                                   CXL_CHAN_RUNS, time.time_ns())):
-                hdr[i * 8:i * 8 + 8] = v.to_bytes(8, "little")
-            r.dma_write(off, hdr)
+            r.dma_write(off + _HEADER.size, bytes(CXL_CHAN_HEADER - _HEADER.size))
+            r.dma_write(off, _HEADER.pack(  # magic 0 until the body is in the medium
+                version=CXL_CHAN_VERSION, slots=slots, msg_bytes=msg_bytes, slot_bytes=sb,
+                ring=CXL_CHAN_HEADER, runs=CXL_CHAN_RUNS, created_ns=time.time_ns()))
             # dma_write fences: the body is in the medium before the magic is.
             r.dma_write(off, CHAN_MAGIC.to_bytes(8, "little"))
             r.put(key, off)
@@ -728,8 +741,10 @@ cdef class Channel:
         if off % 64 or off + CXL_CHAN_HEADER > r.size:
             raise RegionError(f"{where}: offset is not a 64-byte aligned object inside the "
                               f"region of {r.size} bytes (corrupt directory?)")
-        raw = r.dma_read(off, 64)  # immutable since creation: never dirty anywhere
-        magic, version, h_slots, h_msg, h_sb, h_ring, h_runs = _words(raw)[:7]
+        # immutable since creation: never dirty anywhere
+        h = _HEADER.unpack(r.dma_read(off, _HEADER.size))
+        magic, version, h_slots, h_msg = h.magic, h.version, h.slots, h.msg_bytes
+        h_sb, h_ring, h_runs = h.slot_bytes, h.ring, h.runs
         if magic in OLD_MAGICS:
             raise RegionError(f"{where} is a layout-version {OLD_MAGICS[magic]} channel, which "
                               f"keeps role claims beside its counters; this build reads "
@@ -756,10 +771,10 @@ cdef class Channel:
             raise ValueError(f"channel {self.name!r} exists with a different geometry: "
                              f"{', '.join(diff)}")
         self.offset = off
-        self.C.pclaim = off + 64
-        self.C.cclaim = off + 128
-        self.C.pruns = off + 192
-        self.C.cruns = off + 192 + 64 * CXL_CHAN_RUNS
+        self.C.pclaim = cxl_chan_claim_off(off, 0)
+        self.C.cclaim = cxl_chan_claim_off(off, 1)
+        self.C.pruns = cxl_chan_runs_off(off, 0, CXL_CHAN_RUNS)
+        self.C.cruns = cxl_chan_runs_off(off, 1, CXL_CHAN_RUNS)
         self.C.ring = off + h_ring
         self.C.slots = h_slots
         self.C.msg_bytes = h_msg
@@ -823,8 +838,8 @@ cdef class Channel:
         if node == r.node:
             return self._live.incarnation
         off = r.node_area(node)
-        r.flush(off, 64)
-        return r.load64(off + 16)
+        r.flush(off, CXL_LINE_SIZE)
+        return r.load64(off + _NODE_INCARNATION)
 
     def _judge(self, c):
         """'alive', 'dead' (certainly gone: it cannot write again) or 'silent' (gone by
@@ -879,8 +894,8 @@ cdef class Channel:
         r = self.region
         runs = self.C.pruns
         line = _line(runs, new_run)
-        r.flush(line, 64)
-        x = r.load64(line + 8)
+        r.flush(line, sizeof(cxl_chan_run))
+        x = r.load64(cxl_chan_run_key_off(line))
         if x % CXL_CHAN_RUNS != new_run % CXL_CHAN_RUNS or x >= new_run:
             return True  # never used
         cur, ln = c["run"], _run_words(r, runs, c["run"])
@@ -1029,11 +1044,12 @@ cdef class Channel:
                         f"{CXL_CHAN_RUNS} takeovers ago; retry once it has")
         # Publish the claim, key last: identity, run, epoch; then persist. Everything
         # below reads the old owner's counter only after this is visible.
-        r.flush(cl, 64)
-        for at, v in ((16, src), (24, me["owner"]), (32, me["incarnation"]), (40, me["start"]),
-                      (48, me["pidns"]), (56, me["boot"]), (8, run), (0, epoch)):
-            r.store64(cl + at, v)
-        r.persist(cl, 64)
+        r.flush(cl, sizeof(cxl_chan_claim))
+        for name, v in (("src", src), ("owner", me["owner"]), ("incarnation", me["incarnation"]),
+                        ("start", me["start"]), ("pidns", me["pidns"]), ("boot", me["boot"]),
+                        ("run", run), ("epoch", epoch)):
+            r.store64(cl + _CLAIM_AT[name], v)
+        r.persist(cl, sizeof(cxl_chan_claim))
         _point("chan.claim")
         if new_run:
             old = _run_words(r, runs, src)
@@ -1042,11 +1058,12 @@ cdef class Channel:
                                   f"continues is not on its line (corrupt)")
             seq = old["seq"]  # the old run's end for everyone (observed after our claim)
             line = _line(runs, run)
-            r.flush(line, 64)
-            for at, v in ((0, seq), (16, seq), (24, src),
-                          (32, CXL_CHAN_RUN_HOLE if hole else 0), (40, epoch), (8, run)):
-                r.store64(line + at, v)
-            r.persist(line, 64)
+            r.flush(line, sizeof(cxl_chan_run))
+            for name, v in (("seq", seq), ("base", seq), ("src", src),
+                            ("flags", CXL_CHAN_RUN_HOLE if hole else 0), ("epoch", epoch),
+                            ("run", run)):
+                r.store64(line + _RUN_AT[name], v)
+            r.persist(line, sizeof(cxl_chan_run))
         else:
             ln = _run_words(r, runs, run)
             if ln is None:
@@ -1106,7 +1123,8 @@ cdef class Channel:
                 what = (f"slot {(at - self.C.ring) // self.C.slot_bytes} holds a message "
                         f"length of {v} bytes, more than msg_bytes={self.C.msg_bytes}")
             elif k == CXL_CHAN_BAD_NUM:
-                what = (f"slot {(at - 8 - self.C.ring) // self.C.slot_bytes} holds message "
+                # at is the slot's number word: inside the slot, so it names the slot
+                what = (f"slot {(at - self.C.ring) // self.C.slot_bytes} holds message "
                         f"number {v} where message {self.C.head} was published (overwritten "
                         "by a producer that had lost its role, or corrupt)")
             elif k == CXL_CHAN_BAD_TAIL:

@@ -1,9 +1,11 @@
 # The cxl_ops slots of a plainly mapped medium, written once for every backend
 # whose `ctx` is its base pointer (file:, numa:, dax:). Declared inline here so
-# each backend module takes their addresses for its own ops table.
+# each backend module takes their addresses for its own ops table, which it fills
+# with direct_ops_init (and then overrides what its medium does differently).
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
+from cxlrt.backend cimport cxl_ops
 from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
                                     cxl_store64_volatile)
 
@@ -49,3 +51,18 @@ cdef inline int direct_dma_write(void* ctx, uint64_t off, const void* src,
     memcpy(<char*>ctx + off, src, n)
     cxl_fence_drain()
     return 0
+
+
+cdef inline void direct_ops_init(cxl_ops* ops) noexcept nogil:
+    """Fill every slot of `ops` for a coherent mapping (file:, numa:): direct loads and
+    stores, no write-back, a real fence. A non-coherent medium (dax:) then replaces
+    flush, flush_nodrain, fence and the DMA slots with its own."""
+    ops.load = direct_load
+    ops.store = direct_store
+    ops.load64 = direct_load64
+    ops.store64 = direct_store64
+    ops.flush = direct_noflush
+    ops.flush_nodrain = direct_noflush
+    ops.fence = direct_fence
+    ops.dma_read = direct_load
+    ops.dma_write = direct_dma_write

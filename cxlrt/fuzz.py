@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cxlrt import layoutinfo as _layout
+from cxlrt.alloc import table_word
 
 NODES = 3
 EXTRA_CHUNKS = 6          # heap chunks beyond the minimum region's, for the seed's objects
@@ -162,7 +163,7 @@ def _build_seed(path: str, mode: str) -> None:
     heap_off, heap_len = r.sections["heap"]
     alloc_off = r.sections["alloc"][0]
     nchunks = heap_len // sb.CHUNK
-    table = [r.load64(alloc_off + 8 * k) for k in range(nchunks)]
+    table = [r.load64(alloc_off + _WORD * k) for k in range(nchunks)]
     kv = kvs[0]
     entries = [e["slot"] for e in kv.entries()]
     meta: dict[str, Any] = {
@@ -172,12 +173,13 @@ def _build_seed(path: str, mode: str) -> None:
         "dir": {name: r.get(name) for name in r.names()},
         "alloc": {"table": alloc_off, "nchunks": nchunks,
                   "rfree": alloc_off + sb.rfree_offset(nchunks), "words": table,
-                  "small": [heap_off + k * sb.CHUNK for k, w in enumerate(table) if w >> 62 == 1]},
+                  "small": [heap_off + k * sb.CHUNK for k, w in enumerate(table)
+                            if table_word(w)[0] == _SMALL_KIND]},
         "kv": {"off": kv.offset, "slots": kv.slots, "entries": kv.slot_offset(0),
                "used": [kv.slot_offset(s) for s in entries],
                "payloads": [e["offset"] for e in kv.entries()],
-               "pins": kv.slot_offset(0) + kv.slots * 64,
-               "stats": kv.slot_offset(0) + kv.slots * 64 + NODES * kv.slots * 8},
+               "pins": kv.slot_offset(0) + kv.slots * _KV_ENTRY,
+               "stats": kv.slot_offset(0) + kv.slots * _KV_ENTRY + NODES * kv.slots * _WORD},
         "chan": {"off": prod.offset, "ring": prod.ring_offset, "slot_bytes": prod.slot_bytes,
                  "slots": prod.slots},
         "objs": objs, "queued": queued,
@@ -245,80 +247,88 @@ def load_seed(folder: str, mode: str) -> Seed:
     return s
 
 
-def _words(label, base, names, width=8):
-    return [(f"{label}.{n}", base + i * width, width) for i, n in enumerate(names) if n]
+_WORD = 8  # chunk-table, bitmap, pin and stats words are uint64_t (layout.pxd, kvcache.pxd)
+_LINE = _layout.CONSTANTS["CXL_LINE_SIZE"]
+_SMALL_KIND = _layout.CONSTANTS["CXL_CK_SMALL"]
+
+
+def _members(label, struct_name, base, *names):
+    """(label.member, offset, width) of the named members of `struct_name` at `base`
+    (default: every member but the reserved ones), offsets from cxlrt.layoutinfo. An
+    array or nested struct is aimed at word by word; a char array at its first word."""
+    out = []
+    for f in _layout.fields(struct_name):
+        if names and f.name not in names or not names and f.name.startswith("reserved"):
+            continue
+        if f.format[-1] == "s" or f.format in ("Q", "I", "H", "B"):
+            out.append((f"{label}.{f.name}", base + f.offset, min(f.width, _WORD)))
+        else:
+            out += [(f"{label}.{f.name}[{i}]", base + f.offset + i * _WORD, _WORD)
+                    for i in range(f.width // _WORD)]
+    return out
 
 
 def _targets(m: dict) -> dict[str, list[tuple[str, int, int]]]:
     """Every field worth corrupting, grouped by the structure it belongs to."""
+    size = _layout.size
     t: dict[str, list[tuple[str, int, int]]] = {}
-    sbf = [("sb.magic", 0, 8), ("sb.version", 8, 4), ("sb.line_size", 12, 4), ("sb.size", 16, 8),
-           ("sb.nodes", 24, 4), ("sb.nsections", 28, 4), ("sb.uuid", 32, 8),
-           ("sb.created", 40, 8), ("sb.lease_ms", 176, 4), ("sb.chunk_size", 180, 4),
-           ("sb.checksum", 184, 8)]
-    for i in range(8):
-        sbf += [(f"sb.sec{i}.off", 48 + 16 * i, 8), (f"sb.sec{i}.size", 56 + 16 * i, 8)]
-    t["superblock"] = sbf
+    t["superblock"] = _members("sb", "cxl_superblock", 0)
     nodes_off = m["sections"]["nodes"][0]
     t["nodes"] = [f for n in range(m["nodes"])
-                  for f in _words(f"node{n}", nodes_off + 256 * n,
-                                  ("pid", "heartbeat", "attaches", "host"))]
+                  for f in _members(f"node{n}", "cxl_node_area", nodes_off
+                                    + n * size("cxl_node_area"))]
     locks_off = m["sections"]["locks"][0]
-    lk = _words("mgrclaim", locks_off, ("node", "pid", "beat"))
+    lk = _members("mgrclaim", "cxl_mgr_claim", locks_off)
+    record = size("cxl_lock_header") + m["nodes"] * size("cxl_lock_node_line") \
+        + size("cxl_lock_grant_line")
     for i, name, rec in m["locks"]:
-        lk += [(f"lock{i}.state", rec, 8), (f"lock{i}.mode", rec + 8, 4),
-               (f"lock{i}.name_len", rec + 12, 4), (f"lock{i}.name", rec + 16, 8)]
+        lk += _members(f"lock{i}", "cxl_lock_header", rec)
         for j in range(m["nodes"]):
-            lk += _words(f"lock{i}({name}).node{j}", rec + 64 * (1 + j),
-                         ("choosing", "number", "req", "rel", "acq"))
-        lk.append((f"lock{i}.grant", rec + 64 * (1 + m["nodes"]), 8))
-    free_rec = locks_off + 64 + (len(m["locks"]) + 1) * (m["nodes"] + 2) * 64
-    lk += [("lockfree.state", free_rec, 8), ("lockfree.mode", free_rec + 8, 4),
-           ("lockfree.name_len", free_rec + 12, 4)]
+            lk += _members(f"lock{i}({name}).node{j}", "cxl_lock_node_line",
+                           rec + size("cxl_lock_header") + j * size("cxl_lock_node_line"))
+        lk += _members(f"lock{i}", "cxl_lock_grant_line", rec + record
+                       - size("cxl_lock_grant_line"))
+    free_rec = locks_off + size("cxl_mgr_claim") + (len(m["locks"]) + 1) * record
+    lk += _members("lockfree", "cxl_lock_header", free_rec, "state", "mode", "name_len")
     t["locks"] = lk
     dir_off = m["sections"]["directory"][0]
     used = len(m["dir"])
     t["directory"] = [f for i in range(used + 2)
-                      for f in _words(f"dir{i}", dir_off + 128 * i,
-                                      ("state", "off", "name_len", "gen"))
-                      + [(f"dir{i}.name", dir_off + 128 * i + 64, 8)]]
+                      for f in _members(f"dir{i}", "cxl_dir_entry",
+                                        dir_off + i * size("cxl_dir_entry"), "state", "off",
+                                        "name_len", "generation", "name")]
     a = m["alloc"]
-    al = [(f"table{k}", a["table"] + 8 * k, 8) for k in range(a["nchunks"])]
+    al = [(f"table{k}", a["table"] + _WORD * k, _WORD) for k in range(a["nchunks"])]
     for n in range(m["nodes"]):
-        q = a["rfree"] + 4096 * n
-        al += [(f"rfree{n}.count", q, 8), (f"rfree{n}.e0", q + 64, 8),
-               (f"rfree{n}.e1", q + 72, 8)]
+        al += _members(f"rfree{n}", "cxl_rfree_queue", a["rfree"] + n * size("cxl_rfree_queue"),
+                       "head", "count", "seq", "jword", "jcount")
+    bitmap = size("cxl_small_header")  # the slot bitmap follows the header
     for base in a["small"]:
-        al += [(f"small@{base:#x}.magic_class", base, 8), (f"small@{base:#x}.class", base + 4, 4),
-               (f"small@{base:#x}.owner_slots", base + 8, 8),
-               (f"small@{base:#x}.data_start", base + 16, 8),
-               (f"small@{base:#x}.bitmap0", base + 64, 8),
-               (f"small@{base:#x}.bitmap1", base + 72, 8)]
+        al += _members(f"small@{base:#x}", "cxl_small_header", base)
+        al += [(f"small@{base:#x}.bitmap{i}", base + bitmap + i * _WORD, _WORD) for i in (0, 1)]
     t["alloc"] = al
     kv = m["kv"]
-    kl = _words("kv.geo", kv["off"], ("magic", "version_keybytes", "slots", "capacity",
-                                      "block_bytes", "tokens_alg", "salt0", "salt1"))
-    kl += _words("kv.layout", kv["off"] + 64, ("nodes", "entries", "pins", "stats", "created",
-                                               "total", "reserved", "checksum"))
-    kl += _words("kv.occupancy", kv["off"] + 128, ("blocks", "bytes"))
-    empty = [kv["entries"] + 64 * s for s in range(kv["slots"])]
+    kl = _members("kv.geo", "kv_geometry", kv["off"] + _layout.offset("kv_header", "geometry"))
+    kl += _members("kv.layout", "kv_layout", kv["off"] + _layout.offset("kv_header", "layout"))
+    kl += _members("kv.occupancy", "kv_counters",
+                   kv["off"] + _layout.offset("kv_header", "counters"))
+    empty = [kv["entries"] + size("kv_entry") * s for s in range(kv["slots"])]
     for at in kv["used"] + [e for e in empty if e not in kv["used"]][:2]:
-        kl += _words(f"kv.entry@{at:#x}", at, ("key0", "key1", "meta", "off", "len", "owner",
-                                               "stamp", "check"))
+        kl += _members(f"kv.entry@{at:#x}", "kv_entry", at)
     for n in range(m["nodes"]):
-        kl += [(f"kv.pins.node{n}.slot{s}", kv["pins"] + 8 * (n * kv["slots"] + s), 8)
+        kl += [(f"kv.pins.node{n}.slot{s}", kv["pins"] + _WORD * (n * kv["slots"] + s), _WORD)
                for s in range(0, kv["slots"], 3)]
-        kl += [(f"kv.stats.node{n}", kv["stats"] + 64 * n, 8)]
+        kl += [(f"kv.stats.node{n}", kv["stats"] + _LINE * n, _WORD)]
     t["kv"] = kl
     t["payload"] = [f for p in kv["payloads"]
-                    for f in _words(f"payload@{p:#x}", p, ("magic", "key0", "key1", "gen",
-                                                           "block_bytes", "cache", "r6", "r7"))]
+                    for f in _members(f"payload@{p:#x}", "kv_payload_header", p)]
     c = m["chan"]
-    cl = _words("chan.hdr", c["off"], ("magic", "version", "slots", "msg_bytes", "slot_bytes",
-                                       "ring", "created"))
-    cl += _words("chan.prod", c["off"] + 64, ("tail", "owner_node", "owner_pid", "owner_host"))
-    cl += _words("chan.cons", c["off"] + 128, ("head", "owner_node", "owner_pid", "owner_host"))
-    cl += [(f"chan.slot{i}.len", c["ring"] + i * c["slot_bytes"], 8) for i in range(c["slots"])]
+    claim = c["off"] + size("cxl_chan_header")
+    cl = _members("chan.hdr", "cxl_chan_header", c["off"])
+    cl += _members("chan.prod", "cxl_chan_claim", claim)
+    cl += _members("chan.cons", "cxl_chan_claim", claim + size("cxl_chan_claim"))
+    cl += [(f"chan.slot{i}.len", c["ring"] + i * c["slot_bytes"], _WORD)
+           for i in range(c["slots"])]
     t["channel"] = cl
     return t
 

@@ -57,9 +57,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import cxlrt
-from cxlrt import crash
+from cxlrt import crash, layoutinfo
 from cxlrt.errors import RegionError
 from cxlrt.lock import LeaseLost
+
+_LINE = layoutinfo.CONSTANTS["CXL_LINE_SIZE"]  # a lock case's tag and counter: a line each
 
 _CTX = mp.get_context("fork")
 
@@ -652,10 +654,10 @@ def _lock_setup(r: cxlrt.Region, case: Case) -> dict:
     r.lock("hm", mode="manager")
     words = {}
     for name in LOCK_NAMES.values():
-        off = r.alloc(128)  # tag word on one line, counter on the next
+        off = r.alloc(2 * _LINE)  # tag word on one line, counter on the next
         r.store64(off, 0)
-        r.store64(off + 64, 0)
-        r.persist(off, 128)
+        r.store64(off + _LINE, 0)
+        r.persist(off, 2 * _LINE)
         words[name] = off
     return {"words": words}
 
@@ -670,12 +672,12 @@ def _critical(ctx: Ctx, r: cxlrt.Region, lock: Any, tag: int) -> dict:
     rec = {"lock": lock.name, "overlap": False, "lost": False, "inc": False}
     try:
         lock.check()  # a hold that is already suspect writes nothing
-        r.flush(off, 128)  # observe both lines before writing into them
+        r.flush(off, 2 * _LINE)  # observe both lines before writing into them
         r.store64(off, tag)
         r.persist(off, 8)
         ctx.record("cs", lock=lock.name)  # the counter increment may follow
-        r.store64(off + 64, r.load64(off + 64) + 1)
-        r.persist(off + 64, 8)
+        r.store64(off + _LINE, r.load64(off + _LINE) + 1)
+        r.persist(off + _LINE, 8)
         rec["inc"] = True
         os.sched_yield()
         time.sleep(0.0003)
@@ -796,8 +798,8 @@ def _lock_verify(data: CaseData) -> list[str]:
                    "a healthy node judged silent (or a starved host)")
     with data.observer() as r:
         for name, off in data.shared["words"].items():
-            r.flush(off + 64, 8)
-            count = r.load64(off + 64)
+            r.flush(off + _LINE, 8)
+            count = r.load64(off + _LINE)
             done = sum(1 for _, x in data.records("op") if x["lock"] == name and x["inc"])
             done += sum(1 for _, x in data.records("vop") if x["lock"] == name and x["inc"])
             begun = sum(1 for _, x in data.records("cs") if x["lock"] == name)
@@ -964,24 +966,22 @@ def _allocated(r: cxlrt.Region) -> set[int]:
     """Offsets of every object the heap holds allocated: large-run heads and the set
     bits of small chunks' bitmaps (the layout heapscan walks), observed."""
     from cxlrt.alloc import class_geometry, table_word
-    from cxlrt.heapscan import CHUNK, SMALL_MAGIC, _table
+    from cxlrt.heapscan import CHUNK, LARGE, SMALL, SMALL_MAGIC, _table, small_chunk
     _, heap_off, n, words = _table(r)
     geo = class_geometry()
     out = set()
     for k, w in enumerate(words):
         kind, _, low = table_word(w)
         base = heap_off + k * CHUNK
-        if kind == 2:
+        if kind == LARGE:
             out.add(base)
-        elif kind == 1 and low < len(geo):
+        elif kind == SMALL and low < len(geo):
             size, nslots, start = geo[low]
-            nw = (nslots + 63) // 64
-            r.flush(base, 64 + nw * 8)
-            if r.load64(base) & 0xFFFFFFFF != SMALL_MAGIC:
+            h, bitmap = small_chunk(r, base, nslots)
+            if h.magic != SMALL_MAGIC:
                 continue
-            raw = r.load(base + 64, nw * 8)
             for i in range(nslots):
-                if raw[i // 8] >> (i % 8) & 1:
+                if bitmap[i // 64] >> (i % 64) & 1:
                     out.add(base + start + i * size)
     return out
 

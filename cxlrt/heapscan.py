@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass, field
 
 from cxlrt import layoutinfo
-from cxlrt.alloc import class_geometry, table_word
+from cxlrt.alloc import class_geometry, table_word, table_word_pack
 from cxlrt.formats import Format
 from cxlrt.superblock import rfree_offset
 
@@ -103,7 +103,7 @@ def scan(region) -> HeapScan:
                 s.problems.append(f"{where}: large run of {low} chunks overruns the heap")
                 k += 1
                 continue
-            tail = (TAIL << 62) | (owner << 48) | k
+            tail = table_word_pack(TAIL, owner, k)
             tails_ok = all(words[k + i] == tail for i in range(1, low))
             if not tails_ok:
                 s.problems.append(f"{where}: large run of {low} chunks has broken tail words")
@@ -125,9 +125,7 @@ def scan(region) -> HeapScan:
             continue
         size, nslots, start = geo[low]
         base = heap_off + k * CHUNK
-        words_n = (nslots + 63) // 64
-        region.flush(base, _BITMAP + words_n * 8)
-        h = _SMALL.unpack(region.load(base + _SMALL.offset, _SMALL.size))
+        h, bitmap = small_chunk(region, base, nslots)
         s.small_chunks += 1
         node_stats[owner]["small_chunks"] += 1
         if h.magic != SMALL_MAGIC:
@@ -137,7 +135,6 @@ def scan(region) -> HeapScan:
         if (h.size_class, h.owner, h.nslots, h.data_start, h.reserved0) != \
                 (size, owner, nslots, start, 0):
             s.problems.append(f"{where}: small-chunk header disagrees with the table")
-        bitmap = struct.unpack(f"<{words_n}Q", region.load(base + _BITMAP, words_n * 8))
         live = sum(bin(x).count("1") for x in bitmap)
         extra = nslots % 64
         if extra and bitmap[-1] >> extra:
@@ -154,6 +151,15 @@ def scan(region) -> HeapScan:
     for node in range(region.nodes):
         _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)
     return s
+
+
+def small_chunk(region, base, nslots):
+    """(header, bitmap words) of the small chunk of `nslots` slots at `base`, observed."""
+    words_n = (nslots + 63) // 64
+    region.flush(base, _BITMAP + words_n * _TABLE_WORD)
+    h = _SMALL.unpack(region.load(base + _SMALL.offset, _SMALL.size))
+    raw = region.load(base + _BITMAP, words_n * _TABLE_WORD)
+    return h, struct.unpack(f"<{words_n}Q", raw)
 
 
 def _walk(region, problems, node, first, heap_off, nchunks, batch, what) -> list:

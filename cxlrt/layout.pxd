@@ -151,6 +151,26 @@ cdef enum:
     CXL_SMALL_MAGIC = 0x534D4C43  # "CLMS": a carved small chunk's header
 
 
+cdef inline uint64_t cxl_ck_word(uint64_t kind, uint64_t owner, uint64_t low) noexcept nogil:
+    """A chunk table word of `kind` (CXL_CK_*) owned by node `owner`."""
+    return (kind << 62) | ((owner & 0xFF) << 48) | (low & <uint64_t>0xFFFFFFFFULL)
+
+
+cdef inline uint32_t cxl_ck_kind(uint64_t w) noexcept nogil:
+    """The kind of a chunk table word (CXL_CK_*; 0 for a free chunk)."""
+    return <uint32_t>(w >> 62)
+
+
+cdef inline uint32_t cxl_ck_owner(uint64_t w) noexcept nogil:
+    """The owner node of a chunk table word."""
+    return <uint32_t>((w >> 48) & 0xFF)
+
+
+cdef inline uint32_t cxl_ck_low(uint64_t w) noexcept nogil:
+    """The low field of a chunk table word: size class, run length or head chunk."""
+    return <uint32_t>(w & <uint64_t>0xFFFFFFFFULL)
+
+
 ctypedef struct cxl_small_header:
     uint32_t magic            # CXL_SMALL_MAGIC once carved
     uint32_t size_class       # object bytes
@@ -185,6 +205,103 @@ ctypedef struct cxl_rfree_link:
     uint64_t next             # the next object of the list, 0 = end
     uint64_t mark             # RFREE_PENDING ^ offset while queued, then RFREE_APPLIED ^ offset
     uint64_t batch            # once applied: the owner's journal seq (alloc.pyx)
+
+
+# Where the allocator's words are, from the structs above: alloc.pyx and superblock.pyx
+# compute no offset of their own. &(<T*>NULL).member is offsetof(T, member), a
+# constant the C compiler folds.
+
+cdef inline uint64_t cxl_chunk_word_off(uint64_t table, uint64_t k) noexcept nogil:
+    """Region offset of chunk k's word in the chunk table that starts at `table`."""
+    return table + k * sizeof(uint64_t)
+
+
+cdef inline uint64_t cxl_rfree_queues_rel(uint64_t nchunks) noexcept nogil:
+    """Offset of node 0's remote-free queue from the alloc section's start: after the
+    chunk table of `nchunks` words, page-aligned."""
+    return (nchunks * sizeof(uint64_t) + CXL_SB_PAGE - 1) // CXL_SB_PAGE * CXL_SB_PAGE
+
+
+cdef inline uint64_t cxl_rfree_queue_off(uint64_t queues, uint32_t node) noexcept nogil:
+    """Region offset of `node`'s remote-free queue; `queues` is node 0's."""
+    return queues + <uint64_t>node * sizeof(cxl_rfree_queue)
+
+
+cdef inline uint64_t cxl_rq_head_off(uint64_t q) noexcept nogil:
+    """Region offset of queue q's head (q: the queue's region offset); count and seq
+    follow it on line 0 (cxl_rq_count_off, cxl_rq_seq_off)."""
+    return q + <uint64_t>&(<cxl_rfree_queue*>NULL).head
+
+
+cdef inline uint64_t cxl_rq_count_off(uint64_t q) noexcept nogil:
+    """Region offset of queue q's count."""
+    return q + <uint64_t>&(<cxl_rfree_queue*>NULL).count
+
+
+cdef inline uint64_t cxl_rq_seq_off(uint64_t q) noexcept nogil:
+    """Region offset of queue q's seq."""
+    return q + <uint64_t>&(<cxl_rfree_queue*>NULL).seq
+
+
+cdef inline uint64_t cxl_rq_jword_off(uint64_t q) noexcept nogil:
+    """Region offset of queue q's journal word (the owner's line, with jcount)."""
+    return q + <uint64_t>&(<cxl_rfree_queue*>NULL).jword
+
+
+cdef inline uint64_t cxl_rq_jcount_off(uint64_t q) noexcept nogil:
+    """Region offset of queue q's journal count."""
+    return q + <uint64_t>&(<cxl_rfree_queue*>NULL).jcount
+
+
+cdef inline uint64_t cxl_link_next_off(uint64_t x) noexcept nogil:
+    """Region offset of the next word of remote-freed object x's link line."""
+    return x + <uint64_t>&(<cxl_rfree_link*>NULL).next
+
+
+cdef inline uint64_t cxl_link_mark_off(uint64_t x) noexcept nogil:
+    """Region offset of the mark word of remote-freed object x's link line."""
+    return x + <uint64_t>&(<cxl_rfree_link*>NULL).mark
+
+
+cdef inline uint64_t cxl_link_batch_off(uint64_t x) noexcept nogil:
+    """Region offset of the batch word of remote-freed object x's link line."""
+    return x + <uint64_t>&(<cxl_rfree_link*>NULL).batch
+
+
+cdef inline uint64_t cxl_rfree_jword(uint64_t seq, uint64_t first) noexcept nogil:
+    """A journal word: the batch's seq above CXL_OFF_MASK, its first object (below
+    2**48) under it."""
+    return (seq << 48) | first
+
+
+cdef inline uint64_t cxl_rfree_jseq(uint64_t jword) noexcept nogil:
+    """The seq of a journal word."""
+    return jword >> 48
+
+
+cdef inline uint64_t cxl_small_magic_off(uint64_t chunk) noexcept nogil:
+    """Region offset of a small chunk header's first word: magic, then size_class."""
+    return chunk + <uint64_t>&(<cxl_small_header*>NULL).magic
+
+
+cdef inline uint64_t cxl_small_owner_off(uint64_t chunk) noexcept nogil:
+    """Region offset of the header word holding owner, then nslots."""
+    return chunk + <uint64_t>&(<cxl_small_header*>NULL).owner
+
+
+cdef inline uint64_t cxl_small_data_off(uint64_t chunk) noexcept nogil:
+    """Region offset of the header word holding data_start, then reserved0."""
+    return chunk + <uint64_t>&(<cxl_small_header*>NULL).data_start
+
+
+cdef inline uint64_t cxl_small_bitmap_off(uint64_t chunk, uint64_t word) noexcept nogil:
+    """Region offset of bitmap word `word` of a small chunk: right after its header."""
+    return chunk + sizeof(cxl_small_header) + word * sizeof(uint64_t)
+
+
+cdef inline uint64_t cxl_small_bitmap_bytes(uint64_t nslots) noexcept nogil:
+    """Bytes of the bitmap of a chunk of `nslots` slots (whole 64-bit words)."""
+    return (nslots + 63) // 64 * sizeof(uint64_t)
 
 
 # --- KV cache object (the object map and its invariants are in kvcache.pxd) -------
@@ -269,3 +386,74 @@ ctypedef struct cxl_chan_run:
     uint64_t flags              # CXL_CHAN_RUN_*
     uint64_t epoch              # the epoch that started the run (informational)
     uint64_t reserved[2]
+
+
+# Where a channel's words are (object map in channel.pxd), from the structs above:
+# channel.pyx computes no offset of its own. Role 0 is the producer, 1 the consumer.
+
+cdef inline uint64_t cxl_chan_claim_off(uint64_t chan, uint32_t role) noexcept nogil:
+    """Region offset of `role`'s claim line of the channel at `chan`: after the header."""
+    return chan + sizeof(cxl_chan_header) + <uint64_t>role * sizeof(cxl_chan_claim)
+
+
+cdef inline uint64_t cxl_chan_runs_off(uint64_t chan, uint32_t role, uint64_t nruns) noexcept nogil:
+    """Region offset of `role`'s first run line: after both claim lines, the producer's
+    `nruns` lines first."""
+    return (chan + sizeof(cxl_chan_header) + 2 * sizeof(cxl_chan_claim)
+            + <uint64_t>role * nruns * sizeof(cxl_chan_run))
+
+
+cdef inline uint64_t cxl_chan_run_line(uint64_t runs, uint64_t x, uint64_t nruns) noexcept nogil:
+    """Region offset of the line run `x` lives on (runs: the role's first run line)."""
+    return runs + (x % nruns) * sizeof(cxl_chan_run)
+
+
+cdef inline uint64_t cxl_chan_claim_run_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's run word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).run
+
+
+cdef inline uint64_t cxl_chan_claim_src_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's src word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).src
+
+
+cdef inline uint64_t cxl_chan_claim_owner_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's owner word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).owner
+
+
+cdef inline uint64_t cxl_chan_claim_epoch_off(uint64_t claim) noexcept nogil:
+    """Region offset of a claim line's epoch word."""
+    return claim + <uint64_t>&(<cxl_chan_claim*>NULL).epoch
+
+
+cdef inline uint64_t cxl_chan_run_seq_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's counter (seq)."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).seq
+
+
+cdef inline uint64_t cxl_chan_run_key_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's key (the run it holds, written last)."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).run
+
+
+cdef inline uint64_t cxl_chan_run_base_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's base."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).base
+
+
+cdef inline uint64_t cxl_chan_run_src_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's src."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).src
+
+
+cdef inline uint64_t cxl_chan_run_flags_off(uint64_t line) noexcept nogil:
+    """Region offset of a run line's flags."""
+    return line + <uint64_t>&(<cxl_chan_run*>NULL).flags
+
+
+cdef inline uint64_t cxl_chan_slot_num_off(uint64_t slot) noexcept nogil:
+    """Region offset of a ring slot's message number: a slot holds its length word, its
+    message number, then the payload."""
+    return slot + sizeof(uint64_t)

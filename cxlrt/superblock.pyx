@@ -18,6 +18,7 @@ from cxlrt.layout cimport (CXL_CHUNK, CXL_DIR_ENTRIES, CXL_DIR_ENTRY, CXL_LAYOUT
                            CXL_SEC_ALLOC, CXL_SEC_DIR, CXL_SEC_HEAP, CXL_SEC_LOCKS, CXL_SEC_NODES,
                            cxl_dir_entry, cxl_lock_grant_line, cxl_lock_header,
                            cxl_lock_node_line, cxl_mgr_claim, cxl_node_area, cxl_rfree_queue,
+                           cxl_rfree_queues_rel,
                            cxl_small_header, cxl_superblock)
 
 from cxlrt.errors import (ChecksumError, LayoutVersionError, NodeRangeError, NotARegionError,
@@ -86,7 +87,7 @@ def _fixed(int nodes):
 
 def rfree_offset(nchunks):
     """Where node 0's remote-free queue starts in the alloc section: after the chunk table."""
-    return _align(nchunks * sizeof(uint64_t), PAGE)
+    return cxl_rfree_queues_rel(nchunks)
 
 
 def _alloc_bytes(nchunks, int nodes):

@@ -105,14 +105,15 @@ cdef inline int _fill(emu_ctx* c, uint64_t s, uint64_t line) noexcept nogil:
     return way
 
 
-cdef inline int _dirty_elsewhere(emu_ctx* c, uint64_t line) noexcept nogil:
-    """Another node holding `line` dirty, or -1. Peeks without their set lock."""
+cdef inline int _dirty_node(emu_ctx* c, uint64_t line, bint others) noexcept nogil:
+    """A node holding `line` dirty, or -1: another node when `others`, else any node
+    (this one included). Peeks without their set lock."""
     cdef uint64_t s = line & (c.sets - 1)
     cdef uint64_t want = ((line + 1) << 2) | EMU_DIRTY
     cdef uint32_t n, w
     cdef uint64_t* t
     for n in range(c.nodes):
-        if n == c.node:
+        if others and n == c.node:
             continue
         t = c.peer_tags[n] + s * c.ways
         for w in range(c.ways):
@@ -121,18 +122,14 @@ cdef inline int _dirty_elsewhere(emu_ctx* c, uint64_t line) noexcept nogil:
     return -1
 
 
+cdef inline int _dirty_elsewhere(emu_ctx* c, uint64_t line) noexcept nogil:
+    """Another node holding `line` dirty, or -1."""
+    return _dirty_node(c, line, True)
+
+
 cdef inline int _dirty_anywhere(emu_ctx* c, uint64_t line) noexcept nogil:
     """Any node (this one included) holding `line` dirty, or -1."""
-    cdef uint64_t s = line & (c.sets - 1)
-    cdef uint64_t want = ((line + 1) << 2) | EMU_DIRTY
-    cdef uint32_t n, w
-    cdef uint64_t* t
-    for n in range(c.nodes):
-        t = c.peer_tags[n] + s * c.ways
-        for w in range(c.ways):
-            if cxl_atomic_load_relaxed64(&t[w]) == want:
-                return <int>n
-    return -1
+    return _dirty_node(c, line, False)
 
 
 cdef inline int _violation(emu_ctx* c, int kind, uint64_t line, int other) noexcept nogil:
@@ -146,25 +143,16 @@ cdef inline int _violation(emu_ctx* c, int kind, uint64_t line, int other) noexc
 
 cdef inline void _maybe_evict(emu_ctx* c) noexcept nogil:
     """Fault: with probability `evict`, write back and drop a recently dirtied line."""
-    cdef uint64_t tag, line, s
-    cdef int w
+    cdef uint64_t tag
     if likely(c.evict_threshold == 0) or _rand(c) >= c.evict_threshold or c.recent_pos == 0:
         return
     tag = c.recent[_rand(c) % (c.recent_pos if c.recent_pos < EMU_RECENT else EMU_RECENT)]
-    line = tag - 1
-    s = line & (c.sets - 1)
-    _set_lock(c, s)
-    w = _find(c, s, line)
-    if w >= 0:
-        if (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_DIRTY:
-            _writeback(c, s, <uint32_t>w)
-            c.st.evictions += 1
-        c.tags[s * c.ways + w] = 0
-    _set_unlock(c, s)
+    _drop_line(c, tag - 1, &c.st.evictions)
 
 
-cdef inline int _flush_line(emu_ctx* c, uint64_t line) noexcept nogil:
-    """clflush of one line: write back if dirty, then drop it from this node."""
+cdef inline void _drop_line(emu_ctx* c, uint64_t line, uint64_t* written) noexcept nogil:
+    """Write `line` back if this node holds it dirty (counted in *written), then drop
+    it from this node."""
     cdef uint64_t s = line & (c.sets - 1)
     cdef int w
     _set_lock(c, s)
@@ -172,9 +160,14 @@ cdef inline int _flush_line(emu_ctx* c, uint64_t line) noexcept nogil:
     if w >= 0:
         if (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_DIRTY:
             _writeback(c, s, <uint32_t>w)
-            c.st.writebacks += 1
+            written[0] += 1
         cxl_atomic_store_relaxed64(&c.tags[s * c.ways + w], 0)
     _set_unlock(c, s)
+
+
+cdef inline int _flush_line(emu_ctx* c, uint64_t line) noexcept nogil:
+    """clflush of one line: write back if dirty, then drop it from this node."""
+    _drop_line(c, line, &c.st.writebacks)
     return 0
 
 
@@ -197,26 +190,35 @@ cdef inline int _drain(emu_ctx* c) noexcept nogil:
 
 # --- ops ------------------------------------------------------------------------
 
+cdef inline int _walk_line(emu_ctx* c, uint64_t off, uint64_t end, uint64_t* line,
+                           uint64_t* a, uint64_t* b, uint64_t* s, bint* hit) noexcept nogil:
+    """One step of a load or store walk over [off, end): the line `off` lies in, the
+    bytes [a, b) of it the walk covers, and its way in this node's cache, with set *s
+    locked (the caller unlocks it). A miss fills the line from the medium (*hit False)."""
+    cdef int w
+    line[0] = off >> 6
+    a[0] = off & 63
+    b[0] = 64 if (end - (line[0] << 6)) >= 64 else end - (line[0] << 6)
+    s[0] = line[0] & (c.sets - 1)
+    _set_lock(c, s[0])
+    w = _find(c, s[0], line[0])
+    hit[0] = w >= 0
+    if w < 0:
+        w = _fill(c, s[0], line[0])
+    return w
+
+
 cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
     """Copy n bytes out of this node's cached lines, filling misses."""
     cdef emu_ctx* c = <emu_ctx*>ctx
     cdef uint64_t end = off + n, line, s, a, b, i
     cdef int w
-    cdef bint hit_clean
+    cdef bint hit, hit_clean
     cdef char* out = <char*>dst
     c.st.loads += 1
     while off < end:
-        line = off >> 6
-        a = off & 63
-        b = 64 if (end - (line << 6)) >= 64 else end - (line << 6)
-        s = line & (c.sets - 1)
-        _set_lock(c, s)
-        w = _find(c, s, line)
-        hit_clean = False
-        if w < 0:
-            w = _fill(c, s, line)
-        else:
-            hit_clean = (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
+        w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
+        hit_clean = hit and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
         i = (s * c.ways + w) * 64
         if unlikely(c.check and hit_clean
                     and memcmp(c.data + i + a, c.medium + (line << 6) + a, b - a) != 0):
@@ -235,20 +237,14 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
     cdef emu_ctx* c = <emu_ctx*>ctx
     cdef uint64_t end = off + n, line, s, a, b, i, old_tag
     cdef int w, other
+    cdef bint hit
     cdef const char* inp = <const char*>src
     c.st.stores += 1
     while off < end:
-        line = off >> 6
-        a = off & 63
-        b = 64 if (end - (line << 6)) >= 64 else end - (line << 6)
-        s = line & (c.sets - 1)
-        _set_lock(c, s)
-        w = _find(c, s, line)
-        if w < 0:
-            w = _fill(c, s, line)
-        elif unlikely(c.check
-                      and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
-                      and memcmp(c.data + (s * c.ways + w) * 64, c.medium + (line << 6), 64) != 0):
+        w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
+        if unlikely(c.check and hit
+                    and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
+                    and memcmp(c.data + (s * c.ways + w) * 64, c.medium + (line << 6), 64) != 0):
             _set_unlock(c, s)
             return _violation(c, EMU_V_STORE_STALE, line, -1)
         i = s * c.ways + w
@@ -290,12 +286,18 @@ cdef int emu_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
     return emu_store(ctx, off, &v, 8)
 
 
+cdef inline uint64_t _last_line(uint64_t off, uint64_t n) noexcept nogil:
+    """The last line of the n > 0 bytes at off (the first is off >> 6)."""
+    return (off + n - 1) >> 6
+
+
 cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflush: every line of the range is written back (if dirty) and dropped now."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6 if n else 0
+    cdef uint64_t line = off >> 6, last
     if n == 0:
         return 0
+    last = _last_line(off, n)
     while line <= last:
         _flush_line(c, line)
         line += 1
@@ -307,11 +309,12 @@ cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
 cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflushopt: with `delay`, the write-back waits for the next fence."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6 if n else 0
+    cdef uint64_t line = off >> 6, last
     if not c.delay:
         return emu_flush(ctx, off, n)
     if n == 0:
         return 0
+    last = _last_line(off, n)
     cxl_mutex_lock(&c.pending_lock)
     while line <= last:
         if c.npending == EMU_PENDING_MAX:
@@ -333,7 +336,7 @@ cdef int emu_fence(void* ctx) noexcept nogil:
 
 cdef int _dma_over_dirty(emu_ctx* c, uint64_t off, uint64_t n, int kind) noexcept nogil:
     """A DMA bypasses every node's cache: the checker flags a line some node holds dirty."""
-    cdef uint64_t line = off >> 6, last = (off + n - 1) >> 6
+    cdef uint64_t line = off >> 6, last = _last_line(off, n)
     cdef int other
     while line <= last:
         other = _dirty_anywhere(c, line)
@@ -343,36 +346,37 @@ cdef int _dma_over_dirty(emu_ctx* c, uint64_t off, uint64_t n, int kind) noexcep
     return 0
 
 
-cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    """Read the medium directly; the checker flags lines some node holds dirty."""
-    cdef emu_ctx* c = <emu_ctx*>ctx
+cdef int _dma(emu_ctx* c, void* dst, const void* src, uint64_t off, uint64_t n,
+             int kind) noexcept nogil:
+    """Copy n bytes between the medium (at off) and memory, bypassing every node's
+    cache: 0 (nothing done when n is 0), or the checker's `kind` violation when some
+    node holds one of the lines dirty. Then the modelled device time."""
     cdef int rc
     if n == 0:
         return 0
     if unlikely(c.check):
-        rc = _dma_over_dirty(c, off, n, EMU_V_DMA_READ_DIRTY)
+        rc = _dma_over_dirty(c, off, n, kind)
         if rc != 0:
             return rc
-    memcpy(dst, c.medium + off, n)
+    memcpy(dst, src, n)
     _dma_delay(c, n)
     return 0
+
+
+cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
+    """Read the medium directly; the checker flags lines some node holds dirty."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    return _dma(c, dst, c.medium + off, off, n, EMU_V_DMA_READ_DIRTY)
 
 
 cdef int emu_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
     """Write the medium directly; cached copies elsewhere become stale, not updated."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef int rc
-    if n == 0:
-        return 0
-    if unlikely(c.check):
-        rc = _dma_over_dirty(c, off, n, EMU_V_DMA_OVER_DIRTY)
-        if rc != 0:
-            return rc
-    memcpy(c.medium + off, src, n)
-    _dma_delay(c, n)
-    # The data must be in the medium before any flag the caller publishes next.
-    cxl_fence_full()
-    return 0
+    cdef int rc = _dma(c, c.medium + off, src, off, n, EMU_V_DMA_OVER_DIRTY)
+    if rc == 0 and n != 0:
+        # The data must be in the medium before any flag the caller publishes next.
+        cxl_fence_full()
+    return rc
 
 
 cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:

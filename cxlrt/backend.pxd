@@ -248,18 +248,6 @@ cdef inline int cxl_window_store64(const cxl_window* w, uint64_t off, uint64_t v
     return cxl_store64(w.r, off, v)
 
 
-cdef inline int cxl_window_load64(const cxl_window* w, uint64_t off, uint64_t* v) noexcept nogil:
-    """cxl_load64 (our own copy: no observe). pre: as cxl_window_store64."""
-    cdef uint64_t t = 0
-    cdef int rc
-    if likely(w.plain != NULL):
-        v[0] = cxl_load64_volatile(w.plain + off)
-        return 0
-    rc = cxl_load64(w.r, off, &t)  # through t: the caller's word stays in a register
-    v[0] = t
-    return rc
-
-
 cdef inline int cxl_window_observe64(const cxl_window* w, uint64_t off, uint64_t* v) noexcept nogil:
     """cxl_observe64: a coherent mapping has no stale copy to drop. pre: as above."""
     cdef uint64_t t = 0
@@ -267,7 +255,7 @@ cdef inline int cxl_window_observe64(const cxl_window* w, uint64_t off, uint64_t
     if likely(w.plain != NULL):
         v[0] = cxl_load64_volatile(w.plain + off)
         return 0
-    rc = cxl_observe64(w.r, off, &t)  # through t, as in cxl_window_load64
+    rc = cxl_observe64(w.r, off, &t)  # through t: the caller's word stays in a register
     v[0] = t
     return rc
 

@@ -2,14 +2,15 @@
 """Lamport's bakery over the backend contract: loads, stores, flushes and fences.
 
 Written once for every backend. A lock record is opened as one checked window
-(backend.pxd), so on a coherent direct mapping each word is one plain access and
-each persist one store -> load fence, as fast as hand-written volatile code
-(perf/test_lock.py, lock_uncontended); elsewhere every access is the contract's op.
+(backend.pxd), and the algorithm is compiled for two kinds of words (`words`): on a
+coherent direct mapping each word is one plain access and each persist one
+store -> load fence, with no per-word check or branch; elsewhere every access is
+the contract's op. This replaced a hand-written direct doorway (perf/README.md).
 """
 
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport (cxl_window, cxl_window_load64, cxl_window_observe64,
+from cxlrt.backend cimport (cxl_load64, cxl_window, cxl_window_observe64,
                             cxl_window_open, cxl_window_persist, cxl_window_publish,
                             cxl_window_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
@@ -32,7 +33,7 @@ ctypedef struct plain_words:
     char unused
 ctypedef struct contract_words:
     char unused
-ctypedef fused words:
+ctypedef fused words:          # passed as a zeroed tag: only its type matters
     plain_words
     contract_words
 
@@ -50,7 +51,7 @@ cdef inline int _load(const cxl_window* w, words k, uint64_t off, uint64_t* v) n
         v[0] = cxl_load64_volatile(w.plain + off)
         return 0
     else:
-        return cxl_window_load64(w, off, v)
+        return cxl_load64(w.r, off, v)  # our own word: no observe
 
 
 cdef inline int _observe(const cxl_window* w, words k, uint64_t off, uint64_t* v) noexcept nogil:
@@ -93,17 +94,24 @@ cdef inline int _withdraw(cxl_lockctx* L, uint32_t id, const cxl_window* w, word
     return rc
 
 
-cdef int cxl_bakery_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
-    """Leave the bakery (also a dead holder's leftovers: our node's line only)."""
+cdef inline int _enter(cxl_lockctx* L, uint32_t id, uint64_t deadline, bint acquire) noexcept nogil:
+    """Open lock `id`'s record as one checked window, then acquire (or withdraw) on it,
+    with the code compiled for its kind of words (see `words`)."""
     cdef cxl_window w
     cdef plain_words plain
     cdef contract_words ops
     cdef int rc = _open(L, id, &w)
+    plain.unused = ops.unused = 0
     if rc != 0:
         return rc
     if w.plain != NULL:
-        return _withdraw(L, id, &w, plain)
-    return _withdraw(L, id, &w, ops)
+        return _acquire(L, id, &w, plain, deadline) if acquire else _withdraw(L, id, &w, plain)
+    return _acquire(L, id, &w, ops, deadline) if acquire else _withdraw(L, id, &w, ops)
+
+
+cdef int cxl_bakery_release(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """Leave the bakery (also a dead holder's leftovers: our node's line only)."""
+    return _enter(L, id, 0, False)
 
 
 cdef int cxl_bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcept nogil:
@@ -112,15 +120,7 @@ cdef int cxl_bakery_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noex
     Budget, uncontended on a coherent direct mapping: four stores and, per other
     node, three loads; two store -> load fences and one release fence.
     """
-    cdef cxl_window w
-    cdef plain_words plain
-    cdef contract_words ops
-    cdef int rc = _open(L, id, &w)
-    if rc != 0:
-        return rc
-    if w.plain != NULL:
-        return _acquire(L, id, &w, plain, deadline)
-    return _acquire(L, id, &w, ops, deadline)
+    return _enter(L, id, deadline, True)
 
 
 cdef int _acquire(cxl_lockctx* L, uint32_t id, const cxl_window* w, words k,

@@ -15,7 +15,7 @@ from typing import Any
 import cxlrt
 from cxlrt import heapscan
 from cxlrt.liveness import survey
-from cxlrt.lock import MODE_NAMES, node_busy, read_header
+from cxlrt.lock import MAX_LOCKS, MODE_NAMES, node_busy, read_header
 
 
 def _nodes(region, window: float | None = None) -> list[dict[str, Any]]:
@@ -31,7 +31,7 @@ def _nodes(region, window: float | None = None) -> list[dict[str, Any]]:
 
 def _locks(region, nodes) -> tuple[list[dict], list[str]]:
     found, problems = [], []
-    for i in range(64):
+    for i in range(MAX_LOCKS):
         try:
             h = read_header(region, i)
         except cxlrt.RegionError as e:
@@ -104,7 +104,7 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
         # that dead processes of this node left behind; this catches the rest.
         svc = region.locks
         from cxlrt.lock import _reset_node_line
-        for i in range(64):
+        for i in range(MAX_LOCKS):
             h = svc._read_header(i)
             if h is not None:
                 _reset_node_line(svc, i, h[1])

@@ -221,6 +221,63 @@ cdef inline int cxl_observe(const cxl_region* r, uint64_t off, void* dst, uint64
     return rc
 
 
+# --- checked windows -------------------------------------------------------------
+# An algorithm that touches many words of one small range (a lock record) checks the
+# range once, then moves words through the window. On a coherent direct mapping a
+# word is one plain volatile access and a persist one store -> load fence, with no
+# per-word check; anything else goes through the ops above. Offsets stay absolute.
+
+ctypedef struct cxl_window:
+    const cxl_region* r
+    char* plain       # r.base when the region is direct and coherent (CXL_F_DIRECT|NOFLUSH), else NULL
+
+
+cdef inline int cxl_window_open(cxl_window* w, const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:
+    """Check [off, off+n) once; the window's words may then be used until the region closes."""
+    cdef int rc = cxl_check_range(r, off, n)
+    w.r = r
+    w.plain = NULL
+    if rc == 0 and (r.flags & (CXL_F_DIRECT | CXL_F_NOFLUSH)) == (CXL_F_DIRECT | CXL_F_NOFLUSH):
+        w.plain = r.base
+    return rc
+
+
+cdef inline int cxl_window_store64(const cxl_window* w, uint64_t off, uint64_t v) noexcept nogil:
+    """cxl_store64. pre: [off, off+8) inside the opened range, off % 8 == 0."""
+    if likely(w.plain != NULL):
+        cxl_store64_volatile(w.plain + off, v)
+        return 0
+    return cxl_store64(w.r, off, v)
+
+
+cdef inline int cxl_window_observe64(const cxl_window* w, uint64_t off, uint64_t* v) noexcept nogil:
+    """cxl_observe64: a coherent mapping has no stale copy to drop. pre: as above."""
+    cdef uint64_t t = 0
+    cdef int rc
+    if likely(w.plain != NULL):
+        v[0] = cxl_load64_volatile(w.plain + off)
+        return 0
+    rc = cxl_observe64(w.r, off, &t)  # through t: the caller's word stays in a register
+    v[0] = t
+    return rc
+
+
+cdef inline int cxl_window_persist(const cxl_window* w, uint64_t off, uint64_t n) noexcept nogil:
+    """cxl_persist: on a coherent mapping only the store -> load order is left to enforce."""
+    if likely(w.plain != NULL):
+        cxl_fence_sc()
+        return 0
+    return cxl_persist(w.r, off, n)
+
+
+cdef inline int cxl_window_publish(const cxl_window* w, uint64_t off, uint64_t n) noexcept nogil:
+    """cxl_publish: a compiler barrier on a coherent x86 mapping (TSO keeps store order)."""
+    if likely(w.plain != NULL):
+        cxl_fence_release()
+        return 0
+    return cxl_publish(w.r, off, n)
+
+
 cdef inline int cxl_dma_read(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:
     """Bulk read of the medium, bypassing every node's view."""
     cdef int rc = cxl_check_range(r, off, n)

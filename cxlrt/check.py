@@ -15,7 +15,7 @@ from typing import Any
 import cxlrt
 from cxlrt import heapscan
 from cxlrt.liveness import survey
-from cxlrt.lock import MODE_NAMES, read_header, record_offset
+from cxlrt.lock import MAX_LOCKS, MODE_NAMES, node_busy, read_header
 
 
 def _nodes(region, window: float | None = None) -> list[dict[str, Any]]:
@@ -31,7 +31,7 @@ def _nodes(region, window: float | None = None) -> list[dict[str, Any]]:
 
 def _locks(region, nodes) -> tuple[list[dict], list[str]]:
     found, problems = [], []
-    for i in range(64):
+    for i in range(MAX_LOCKS):
         try:
             h = read_header(region, i)
         except cxlrt.RegionError as e:
@@ -40,16 +40,9 @@ def _locks(region, nodes) -> tuple[list[dict], list[str]]:
         if h is None:
             continue
         name, mode = h
-        rec = record_offset(region, i)
         holders = []
         for j in range(region.nodes):
-            ln = rec + 64 * (1 + j)
-            region.flush(ln, 64)
-            raw = region.load(ln, 32)
-            choosing, number, req, rel = (int.from_bytes(raw[k:k + 8], "little")
-                                          for k in (0, 8, 16, 24))
-            busy = (number != 0 or choosing != 0) if mode == 1 else req > rel
-            if busy:
+            if node_busy(region, i, j, mode):
                 holders.append(j)
                 if nodes[j]["dead"]:
                     problems.append(f"lock {name!r}: dead node {j} still holds or waits on it "
@@ -111,7 +104,7 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
         # that dead processes of this node left behind; this catches the rest.
         svc = region.locks
         from cxlrt.lock import _reset_node_line
-        for i in range(64):
+        for i in range(MAX_LOCKS):
             h = svc._read_header(i)
             if h is not None:
                 _reset_node_line(svc, i, h[1])

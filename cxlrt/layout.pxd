@@ -123,6 +123,50 @@ ctypedef struct cxl_mgr_claim:
     uint64_t reserved[4]
 
 
+# Offsets in the locks section, from the structs above: the lock code adds no numbers
+# of its own. A member's offset is offsetof's classic definition, &((T*)0)->member,
+# which the compiler folds to a constant.
+
+cdef inline uint64_t cxl_lock_record_bytes(uint32_t nodes) noexcept nogil:
+    """Bytes of one lock record: a header line, one line per node, the grant line."""
+    return (sizeof(cxl_lock_header) + nodes * sizeof(cxl_lock_node_line)
+            + sizeof(cxl_lock_grant_line))
+
+
+cdef inline uint64_t cxl_lock_record_off(uint64_t locks, uint32_t nodes, uint32_t id) noexcept nogil:
+    """Lock `id`'s record in the locks section at `locks`: records follow the claim line."""
+    return locks + sizeof(cxl_mgr_claim) + id * cxl_lock_record_bytes(nodes)
+
+
+cdef inline uint64_t cxl_lock_line_off(uint64_t rec, uint32_t node) noexcept nogil:
+    """Node `node`'s line of the record at `rec` (written only by that node)."""
+    return rec + sizeof(cxl_lock_header) + node * sizeof(cxl_lock_node_line)
+
+
+cdef inline uint64_t cxl_lock_grant_off(uint64_t rec, uint32_t nodes) noexcept nogil:
+    """The grant line of the record at `rec`: after its `nodes` node lines."""
+    return rec + sizeof(cxl_lock_header) + nodes * sizeof(cxl_lock_node_line)
+
+
+cdef inline uint64_t cxl_mgr_area_off(uint64_t nodes_off, uint32_t node) noexcept nogil:
+    """The manager words (mgr_epoch, mgr_beat, mgr_pid) of node `node`'s area."""
+    return nodes_off + node * sizeof(cxl_node_area) + <uint64_t>&(<cxl_node_area*>NULL).mgr_epoch
+
+
+# The words of a node line at `ln`, of the claim line at `c` (the section's start)
+# and of a node area's manager words at `m` (cxl_mgr_area_off).
+cdef inline uint64_t cxl_ln_choosing(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).choosing
+cdef inline uint64_t cxl_ln_number(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).number
+cdef inline uint64_t cxl_ln_req(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).req_seq
+cdef inline uint64_t cxl_ln_rel(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).rel_seq
+cdef inline uint64_t cxl_ln_acq(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).acquisitions
+cdef inline uint64_t cxl_ln_accepted(uint64_t ln) noexcept nogil: return ln + <uint64_t>&(<cxl_lock_node_line*>NULL).accepted
+
+cdef inline uint64_t cxl_claim_epoch(uint64_t c) noexcept nogil: return c + <uint64_t>&(<cxl_mgr_claim*>NULL).epoch
+cdef inline uint64_t cxl_mgr_beat(uint64_t m) noexcept nogil: return m + <uint64_t>&(<cxl_node_area*>NULL).mgr_beat - <uint64_t>&(<cxl_node_area*>NULL).mgr_epoch
+cdef inline uint64_t cxl_mgr_pid(uint64_t m) noexcept nogil: return m + <uint64_t>&(<cxl_node_area*>NULL).mgr_pid - <uint64_t>&(<cxl_node_area*>NULL).mgr_epoch
+
+
 # --- directory ------------------------------------------------------------------
 
 ctypedef struct cxl_dir_entry:

@@ -13,58 +13,35 @@
 #  - Manager mode is fenced by epochs: the claim line names the manager and its
 #    epoch and is written only under lock 0 by a takeover; a grant word carries
 #    the epoch's low 16 bits. A waiter publishes the grant it accepts on its own
-#    line (+40), then holds only if the claim still carries that epoch. A manager
+#    line (accepted), then holds only if the claim still carries that epoch. A manager
 #    re-checks its epoch before every grant and stops for good once superseded.
 #    A new manager learns who may hold from those accepted words, never from the
 #    grant word (a superseded manager can still overwrite it once), and restores
 #    its own grant word if a stale one lands over it.
 #  - A holder learns at release (LeaseLost) that it was silent past the lease at
 #    any time since it began to acquire; Lock.check() asks the same mid-hold.
+#
+# The algorithms live in bakery.pyx and lockmgr.pyx, their shared context and
+# record addressing in lockctx.pxd; this module ties them to the node-local tier.
+# Every name below stays cimportable from cxlrt.lock.
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
 from cxlrt.liveness cimport Liveness, cxl_live
+from cxlrt.lockctx cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXL_LOCK_MANAGER, CXL_LOCK_META,
+                            CXL_LOCK_READY, cxl_lock_record, cxl_lockctx, cxl_node_dead)
+from cxlrt.lockmgr cimport cxl_mgr_pace
 from cxlrt.nodelocal cimport NodeLocal
 from cxlrt.region cimport Region
-
-
-cdef enum:
-    CXL_LOCK_READY = 1
-    CXL_LOCK_BAKERY = 1
-    CXL_LOCK_MANAGER = 2
-    CXL_LOCK_META = 0      # lock 0 guards the lock table and the directory
-    CXL_LOCK_ALLOC = 1     # lock 1 guards the chunk table and remote-free queues
-
-
-ctypedef struct cxl_lockctx:
-    const cxl_region* r
-    char* local               # node-local lock slots (CXL_LOCAL_LOCK_BYTES apart)
-    uint64_t locks_off        # locks section: claim line, then records
-    uint64_t nodes_off        # node areas
-    cxl_live* live            # liveness: node states, our own silence
-    uint64_t rec_bytes        # (nodes + 2) * 64
-    uint64_t lease_ns
-    uint64_t mgr_wait_ns      # a manager-mode waiter gives up once no manager ran this long
-    uint32_t nodes
-    uint32_t node
 
 
 cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
                           int* recovered) noexcept nogil
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil
-cdef int cxl_node_dead(cxl_lockctx* L, uint32_t j) noexcept nogil
-cdef uint64_t cxl_lock_record(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef int cxl_lock_sweep(void* ctx) noexcept nogil
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil
-
-
-ctypedef struct cxl_mgr_pace:
-    uint64_t spin_ns          # spin this long after a grant changed, then sleep
-    uint64_t changed_at       # our clock at the latest pass that changed a grant
-    uint64_t yields           # passes followed by a yield (spinning)
-    uint64_t sleeps           # passes followed by a ~20 us sleep
 
 
 # Declared here so that the allocator, the KV cache and its pin table take the lock

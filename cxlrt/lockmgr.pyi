@@ -1,0 +1,1 @@
+# the lock manager, the global tier of a cxlrt lock: a C-level API only (cxlrt/lockmgr.pxd).

@@ -80,6 +80,8 @@ from typing import Any
 
 from cxlrt import layoutinfo as _layout
 from cxlrt.alloc import table_word
+from cxlrt.kvcache import header_checksum, line_check
+from cxlrt.superblock import checksum as sb_checksum
 
 NODES = 3
 EXTRA_CHUNKS = 6          # heap chunks beyond the minimum region's, for the seed's objects
@@ -104,7 +106,6 @@ STARTUP_S = 120.0         # a worker that does not start within this is a broken
 SLOW_OP_MS = 1000         # an operation this slow is listed (a loop bounded by a corrupt count?)
 SEED_MODES = ("clean", "crashed")
 SEED_TRIES = 5           # builds of a seed that may end in LeaseLost on a loaded machine
-MASK64 = (1 << 64) - 1
 
 
 class GuardTimeout(Exception):
@@ -343,7 +344,6 @@ def _targets(m: dict) -> dict[str, list[tuple[str, int, int]]]:
 #                                     "kventry" KV entry check word, "dirgen" even generation
 #   ["len", n]                        truncate or extend the image to n bytes
 
-_FNV_OFF, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 # Where the check words are that a "fix" recomputes (the checksum covers what precedes it).
 _SB_SUM = _layout.offset("cxl_superblock", "checksum")
 _KV_SUM = _layout.offset("kv_header", "layout") + _layout.offset("kv_layout", "checksum")
@@ -351,22 +351,6 @@ _KV_ENTRY = _layout.size("kv_entry")
 _KV_CHECK = _layout.offset("kv_entry", "check")
 _DIR_ENTRY = _layout.size("cxl_dir_entry")
 _DIR_GEN = _layout.offset("cxl_dir_entry", "generation")
-
-
-def _fnv(b: bytes) -> int:
-    h = _FNV_OFF
-    for x in b:
-        h = ((h ^ x) * _FNV_PRIME) & MASK64
-    return h
-
-
-def _kv_mix(words) -> int:
-    """The check word of a KV entry (kvcache.pyx _mix): never 0 for a used line."""
-    h = 0x9E3779B97F4A7C15
-    for w in words[:7]:
-        h = ((h ^ w) * 0xFF51AFD7ED558CCD) & MASK64
-        h ^= h >> 29
-    return h | 1
 
 
 def apply(image: bytes, muts: list) -> bytearray:
@@ -393,14 +377,13 @@ def apply(image: bytes, muts: list) -> bytearray:
 
 def _fix(img: bytearray, kind: str, off: int) -> None:
     if kind == "sb" and len(img) >= _SB_SUM + 8:
-        img[_SB_SUM:_SB_SUM + 8] = _fnv(bytes(img[:_SB_SUM])).to_bytes(8, "little")
+        img[_SB_SUM:_SB_SUM + 8] = sb_checksum(bytes(img[:_SB_SUM + 8])).to_bytes(8, "little")
     elif kind == "kvhdr" and 0 <= off <= len(img) - _KV_SUM - 8:
         at = off + _KV_SUM
-        img[at:at + 8] = _fnv(bytes(img[off:at])).to_bytes(8, "little")
+        img[at:at + 8] = header_checksum(bytes(img[off:at])).to_bytes(8, "little")
     elif kind == "kventry" and 0 <= off <= len(img) - _KV_ENTRY:
-        w = struct.unpack_from(f"<{_KV_CHECK // 8}Q", img, off)
         at = off + _KV_CHECK
-        img[at:at + 8] = (_kv_mix(w) if any(w) else 0).to_bytes(8, "little")
+        img[at:at + 8] = line_check(bytes(img[off:at])).to_bytes(8, "little")
     elif kind == "dirgen" and 0 <= off <= len(img) - _DIR_GEN - 8:
         gen = struct.unpack_from("<Q", img, off + _DIR_GEN)[0]
         struct.pack_into("<Q", img, off + _DIR_GEN, gen & ~1)

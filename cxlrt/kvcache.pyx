@@ -97,6 +97,7 @@ from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromS
 from cpython.object cimport PyObject
 from cpython.sequence cimport (PySequence_Fast, PySequence_Fast_GET_SIZE,
                                PySequence_Fast_ITEMS)
+from libc.errno cimport EBUSY
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcmp, memcpy, memset
@@ -109,7 +110,7 @@ from cxlrt.alloc cimport Allocator, cxl_alloc
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
                                     unlikely)
-from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK, cxl_fnv1a64
 from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready, kv_scan, kv_sweep
 from cxlrt.kvindex cimport (KV_PIN_WHERE, kv_add_occupancy, kv_bury, kv_claim_at, kv_cnode,
                             kv_complete, kv_cpid, kv_entry_at, kv_fenced, kv_free_payload, kv_gen,
@@ -354,7 +355,7 @@ cdef class KVCache:
         h.layout.created_ns = created
         h.layout.total = self._total()
         h.layout.claims = claims
-        h.layout.checksum = _fnv_c(<const unsigned char*>&h, KV_SUMMED)
+        h.layout.checksum = cxl_fnv1a64(<const unsigned char*>&h, KV_SUMMED)
         return (<char*>&h.layout)[:sizeof(kv_layout)]
 
     def _attach(self, str name, bint create, block_bytes, capacity):
@@ -408,7 +409,7 @@ cdef class KVCache:
                                        "another name, or delete it with "
                                        f"region.delete({DIR_PREFIX + self.name!r}) once no "
                                        "process uses it" if version < VERSION else ""))
-        if _fnv_c(<const unsigned char*>h, KV_SUMMED) != h.layout.checksum:
+        if cxl_fnv1a64(<const unsigned char*>h, KV_SUMMED) != h.layout.checksum:
             raise RegionError(f"KV cache {self.name!r}: header checksum mismatch (corrupt)")
         return 0
 
@@ -823,9 +824,22 @@ cdef class KVCache:
 
     # --- hits dropped without release() ------------------------------------------------
     # Hit.__dealloc__ may run anywhere the GIL is held, also while another thread of
-    # this process holds the pin mutex and waits for the GIL: it must not take the
-    # mutex. It leaves its slots here; the next call of this cache (or close()) gives
-    # them back. Until then they pin their blocks: too many pins, never too few.
+    # this process holds the pin mutex and waits for the GIL: it must not wait for the
+    # mutex. It gives its pins back if the mutex is free this instant (_try_unpin),
+    # else leaves its slots here: the next call of this cache, close(), or the
+    # cache's own __dealloc__ (again only if the mutex is free) gives them back. Until
+    # then they pin their blocks: too many pins, never too few. Pins still here when
+    # the cache goes stay in this process's pin-table record, which its next attach
+    # of the cache, or the node's other processes once it exits, give back.
+
+    cdef int _try_unpin(self, const uint64_t* slots, uint64_t n) noexcept nogil:
+        """_unpin if the pin mutex is free this instant; -EBUSY (nothing done) if not."""
+        cdef int rc = self._pt.try_enter()
+        if rc != 0:
+            return rc
+        rc = self._pt.add_locked(slots, n, -1)
+        self._pt.leave()
+        return rc
 
     cdef void _orphan(self, const uint64_t* slots, uint64_t n) noexcept:
         if self._orphans_pid != cxl_pid():  # a forked child: those are its parent's
@@ -851,8 +865,7 @@ cdef class KVCache:
             n = <uint64_t>PyBytes_GET_SIZE(b) // 8
             with nogil:
                 rc = self._unpin(slots, n, NULL)
-            if rc != 0:
-                self._orphans.append(b)
+            if rc != 0:  # not put back: a retry could lower pins a later hit holds
                 self._raise(rc, "release")
         return 0
 
@@ -1806,6 +1819,19 @@ cdef class KVCache:
         if self._pt is not None:
             self._pt.close()
 
+    def __dealloc__(self):
+        # Pins of hits dropped while the pin mutex was busy: one more try, without
+        # waiting (a __dealloc__ never waits for a lock). A cache the garbage
+        # collector cleared has no region to follow.
+        cdef bytes b
+        if (not self._orphans or self._closed or self._orphans_pid != cxl_pid()
+                or self._pt is None or self.region is None or self.region.backend is None
+                or self.r.closed):
+            return
+        for b in self._orphans:
+            self._try_unpin(<const uint64_t*>PyBytes_AS_STRING(b),
+                            <uint64_t>PyBytes_GET_SIZE(b) // 8)
+
     def __enter__(self):
         return self
 
@@ -1905,8 +1931,10 @@ cdef class Hit:
         self.release()
 
     def __dealloc__(self):
-        if self._mine():
-            self.cache._orphan(self.slots, self.n)  # no lock here (see KVCache._orphan)
+        # Never waits for a lock (see KVCache._try_unpin); an error is dropped, as
+        # release() would have raised it to nobody.
+        if self._mine() and self.cache._try_unpin(self.slots, self.n) == -EBUSY:
+            self.cache._orphan(self.slots, self.n)
         free(self.slots)
 
     def __repr__(self):
@@ -1923,15 +1951,6 @@ cdef list _keys(keys):
                              f"got {k!r:.40}")
         out.append(k)
     return out
-
-
-cdef uint64_t _fnv_c(const unsigned char* p, size_t n) noexcept nogil:
-    """FNV-1a 64: the header checksum (kv_layout.checksum)."""
-    cdef uint64_t h = <uint64_t>0xcbf29ce484222325ULL
-    cdef size_t i
-    for i in range(n):
-        h = (h ^ p[i]) * <uint64_t>0x100000001b3ULL
-    return h
 
 
 def _break_pin_protocol(KVCache cache):
@@ -1976,7 +1995,7 @@ def header_checksum(head):
     cdef bytes raw = bytes(head)
     if <uint64_t>len(raw) < KV_SUMMED:
         raise ValueError(f"a KV cache header's checksum covers {KV_SUMMED} bytes, got {len(raw)}")
-    return _fnv_c(<const unsigned char*>PyBytes_AS_STRING(raw), KV_SUMMED)
+    return cxl_fnv1a64(<const unsigned char*>PyBytes_AS_STRING(raw), KV_SUMMED)
 
 
 FORMAT_MAGIC = MAGIC      # kv_geometry.magic of a complete cache object

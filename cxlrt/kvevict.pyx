@@ -133,9 +133,10 @@ cdef int kv_evict_batch(kv_index* K, const kv_cand* cands, uint64_t nc, uint64_t
         freed[0] += <uint64_t>one
         if rc != 0:
             break
-    if freed[0] and rc == 0:
-        rc = kv_add_occupancy(K, -<long long>freed[0],
-                                   -<long long>(freed[0] * K.block_bytes))
+    if freed[0]:  # also after a failure: those before it are buried
+        one = kv_add_occupancy(K, -<long long>freed[0], -<long long>(freed[0] * K.block_bytes))
+        if rc == 0:
+            rc = one
     return rc
 
 

@@ -51,6 +51,8 @@ cdef class PinTable:
         return kv_pin_word(self.pins, self.slots, node, s)
 
     cdef int enter(self) noexcept nogil
+    cdef int try_enter(self) noexcept nogil
+    cdef int _entered(self, int rc) noexcept nogil
     cdef void leave(self) noexcept nogil
     cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil

@@ -8,7 +8,7 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
 from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
-from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_lock_held
+from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_local_try_enter, cxl_lock_held
 from cxlrt.includes.intrin cimport CXL_ASSERT
 from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, check_rc
@@ -98,7 +98,13 @@ cdef class PinTable:
     cdef int enter(self) noexcept nogil:
         """Take the node's pin mutex; if its last holder died mid-update, rebuild
         our node's pin words from the records (the truth for live processes)."""
-        cdef int rc = cxl_local_enter(self.L, self.lock_id)
+        return self._entered(cxl_local_enter(self.L, self.lock_id))
+
+    cdef int try_enter(self) noexcept nogil:
+        """enter() if the mutex is free this instant; -EBUSY (nothing taken) if not."""
+        return self._entered(cxl_local_try_enter(self.L, self.lock_id))
+
+    cdef int _entered(self, int rc) noexcept nogil:
         if rc == 1:
             rc = self._rebuild()
             if rc != 0:

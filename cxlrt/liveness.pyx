@@ -26,6 +26,14 @@ from cxlrt.layout cimport (CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED, 
 from cxlrt.status cimport check_rc
 
 from cxlrt.errors import RegionError
+from cxlrt.formats import Format
+
+# The node area's liveness words (layout.pxd cxl_node_area, line 0): what we read of
+# our own node, and what a survey compares between two looks.
+_AREA7 = Format("cxl_node_area", "beat", "state", "incarnation", "host_id", "boot_id", "pid",
+                "attaches")
+_AREA8 = Format("cxl_node_area", "beat", "state", "incarnation", "host_id", "boot_id", "pid",
+                "attaches", "beat_wall_ns")
 
 cdef enum:
     AREA_BEAT = 0
@@ -276,9 +284,8 @@ cdef class Liveness:
         """(beat, state, incarnation, host, boot, pid, attaches) of our node, observed."""
         r = self.region
         off = r.node_area(r.node)
-        r.flush(off, 64)
-        raw = r.load(off, 56)
-        return tuple(int.from_bytes(raw[i:i + 8], "little") for i in range(0, 56, 8))
+        r.flush(off, _AREA7.size)
+        return tuple(_AREA7.unpack(r.load(off, _AREA7.size)))
 
     def _attach_locked(self, NodeLocal local):
         """Join the node (node-local flock held: no sibling attaches or detaches now)."""
@@ -436,9 +443,8 @@ def survey(region, double window=-1.0):
         out = []
         for n in range(region.nodes):
             off = base + n * CXL_NODE_AREA
-            region.flush(off, 64)
-            raw = region.load(off, 64)
-            out.append(tuple(int.from_bytes(raw[i:i + 8], "little") for i in range(0, 64, 8)))
+            region.flush(off, _AREA8.size)
+            out.append(tuple(_AREA8.unpack(region.load(off, _AREA8.size))))
         return out
 
     first = snap()

@@ -137,6 +137,13 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     return rc
 
 
+cdef inline int _local_took(cxl_local_lock* s, int rc) noexcept nogil:
+    if rc >= 0:
+        s.holder_pid = <uint32_t>cxl_pid()
+        s.holder_tid = cxl_thread_id()
+    return rc
+
+
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """Take only lock `id`'s node-local mutex: serialises this node's processes
     over state that only this node writes (a KV cache's pin counters), with no
@@ -146,11 +153,14 @@ cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     cdef int rc = cxl_mutex_trylock(&s.m)
     if rc < 0:
         rc = cxl_mutex_lock(&s.m)
-    if rc < 0:
-        return rc
-    s.holder_pid = <uint32_t>cxl_pid()
-    s.holder_tid = cxl_thread_id()
-    return rc
+    return _local_took(s, rc)
+
+
+cdef int cxl_local_try_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """cxl_local_enter if the mutex is free this instant, without waiting: -EBUSY
+    when another thread (or this one) holds it."""
+    cdef cxl_local_lock* s = cxl_lock_slot(L, id)
+    return _local_took(s, cxl_mutex_trylock(&s.m))
 
 
 cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil:
@@ -245,6 +255,10 @@ cdef int _observe_into(region, uint64_t off, void* dst, size_t n) except -1:
     cdef bytes raw = region.load(off, n)
     memcpy(dst, <const char*>raw, n)
     return 0
+
+
+# _mgr_area and lockmgr's watch observe the manager's words as one 3-word run.
+assert cxl_mgr_beat(0) < 3 * sizeof(uint64_t) and cxl_mgr_pid(0) < 3 * sizeof(uint64_t)
 
 
 cdef uint64_t _mgr_words(region, uint32_t node) except? 0:
@@ -408,10 +422,11 @@ cdef class LockService:
 
     def _mgr_area(self, uint32_t node):
         """(mgr_epoch, mgr_beat, mgr_pid) published by node's manager, observed."""
-        r = self.region
-        m = _mgr_words(r, node)
-        r.flush(m, CXL_LINE_SIZE)
-        return r.load64(m), r.load64(cxl_mgr_beat(m)), r.load64(cxl_mgr_pid(m))
+        cdef uint64_t mw[3]  # mgr_epoch, then beat and pid (layout.pxd)
+        cdef uint64_t m = _mgr_words(self.region, node)
+        _observe_into(self.region, m, mw, sizeof(mw))  # one observe: one consistent copy
+        return (mw[0], mw[(cxl_mgr_beat(m) - m) // sizeof(uint64_t)],
+                mw[(cxl_mgr_pid(m) - m) // sizeof(uint64_t)])
 
     def _mgr_running(self, claim):
         """True if the claimed manager is running: its node is alive, it still serves the

@@ -10,6 +10,8 @@ import socket
 import time
 
 from libc.stdint cimport uint8_t, uint64_t
+
+from cxlrt.includes.intrin cimport cxl_fnv1a64
 from libc.string cimport memcpy, memset
 
 from cxlrt.layout cimport (CXL_CHUNK, CXL_DIR_ENTRIES, CXL_DIR_ENTRY, CXL_LAYOUT_VERSION,
@@ -48,22 +50,11 @@ assert sizeof(cxl_dir_entry) == CXL_DIR_ENTRY and sizeof(cxl_small_header) == 64
 assert sizeof(cxl_rfree_queue) == 4096
 
 
-cdef uint64_t _fnv1a(const uint8_t* p, size_t n) noexcept nogil:
-    """FNV-1a 64: detects torn or scribbled superblocks; not a security hash."""
-    cdef uint64_t h = <uint64_t>0xcbf29ce484222325ULL
-    cdef uint64_t prime = <uint64_t>0x100000001b3ULL
-    cdef size_t i
-    for i in range(n):
-        h ^= p[i]
-        h *= prime
-    return h
-
-
 def checksum(bytes raw):
     """Checksum of a packed superblock: FNV-1a 64 over every byte before the field."""
     if len(raw) < SB_BYTES:
         raise ValueError("short superblock")
-    return _fnv1a(<const uint8_t*><const char*>raw, SB_BYTES - 8)
+    return cxl_fnv1a64(<const uint8_t*><const char*>raw, SB_BYTES - 8)
 
 
 def _align(n, a):
@@ -138,7 +129,7 @@ def pack(unsigned long long size, int nodes, unsigned long long uuid, bint with_
         sb.sections[i].off, sb.sections[i].size = sec[name]
     sb.lease_ms = lease_ms
     sb.chunk_size = CXL_CHUNK
-    sb.checksum = _fnv1a(<const uint8_t*>&sb, sizeof(sb) - 8)
+    sb.checksum = cxl_fnv1a64(<const uint8_t*>&sb, sizeof(sb) - 8)
     if not with_magic:
         sb.magic = 0
     return (<char*>&sb)[:sizeof(sb)]
@@ -175,7 +166,7 @@ def unpack(bytes raw, unsigned long long medium_size, str where):
         raise LayoutVersionError(
             f"{where}: layout version {sb.version}, but this cxlrt reads version "
             f"{CXL_LAYOUT_VERSION}; use the cxlrt release that formatted it or reformat")
-    want = _fnv1a(<const uint8_t*>&sb, sizeof(sb) - 8)
+    want = cxl_fnv1a64(<const uint8_t*>&sb, sizeof(sb) - 8)
     if sb.checksum != want:
         raise ChecksumError(f"{where}: superblock checksum 0x{sb.checksum:016x} does not match "
                             f"its contents (0x{want:016x}): the superblock is corrupt")
@@ -234,4 +225,4 @@ def new_uuid():
 def host_id():
     """A stable 64-bit id of this host's name, shown by `cxlrt info`."""
     cdef bytes h = socket.gethostname().encode()
-    return _fnv1a(<const uint8_t*><const char*>h, len(h))
+    return cxl_fnv1a64(<const uint8_t*><const char*>h, len(h))

@@ -233,4 +233,16 @@ static inline void cxl_prefetch_w(const void *p) { __builtin_prefetch(p, 1, 3); 
 static inline int cxl_ctz64(uint64_t x) { return __builtin_ctzll(x); }
 static inline int cxl_popcount64(uint64_t x) { return __builtin_popcountll(x); }
 
+/* FNV-1a 64 over n bytes: the checksum of the superblock and of a KV cache header
+ * (detects torn or scribbled headers; not a security hash). */
+static inline uint64_t cxl_fnv1a64(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
 #endif /* CXL_INTRIN_H */

@@ -17,6 +17,7 @@ cdef extern from "cxl_intrin.h" nogil:
     void cxl_prefetch_w(const void* p)
     int cxl_ctz64(uint64_t x)
     int cxl_popcount64(uint64_t x)
+    uint64_t cxl_fnv1a64(const void* p, size_t n)
     uint64_t cxl_load64_volatile(const void* p)
     void cxl_store64_volatile(void* p, uint64_t v)
     void cxl_flush_range(const void* p, uint64_t n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import threading
@@ -743,6 +744,28 @@ def test_a_dropped_hit_takes_no_lock_and_its_pins_go_back_at_the_next_call(backe
     assert p.exitcode == 0, {3: "dropping a hit waited for the pin mutex",
                              4: "a dropped hit's pins were not given back"}.get(p.exitcode,
                                                                                  p.exitcode)
+
+
+def test_a_hit_dropped_with_its_cache_gives_its_pins_back(backend):
+    """The hit is the last reference to its cache object: both go at once, and the
+    pins must not go with the cache's list of dropped hits (they would stay in this
+    process's pin record, and every other node would count them)."""
+    r, c, keys = filled(backend, nodes=2)
+
+    def look_and_drop():
+        other = open_cache(r, capacity_blocks=8)  # a second attach of the same cache
+        hit = other.lookup(keys)
+        assert len(hit) == len(keys)
+        del other  # the hit holds the cache now; returning drops both
+
+    look_and_drop()
+    gc.collect()
+    b = backend.open(1)
+    cb = open_cache(b, capacity_blocks=8)
+    more, stored = store_new(cb, 1)
+    assert stored == more  # node 1 could evict: node 0 holds no pin any more
+    b.close()
+    r.close()
 
 
 def test_a_forked_child_cannot_release_its_parents_pins(backend):

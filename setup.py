@@ -70,7 +70,6 @@ MODULES = [
     ("cxlrt.region", "cxlrt/region.pyx"),
     ("cxlrt.nodelocal", "cxlrt/nodelocal.pyx"),
     ("cxlrt.liveness", "cxlrt/liveness.pyx"),
-    ("cxlrt.bakery", "cxlrt/bakery.pyx"),
     ("cxlrt.lockmgr", "cxlrt/lockmgr.pyx"),
     ("cxlrt.lock", "cxlrt/lock.pyx"),
     ("cxlrt.alloc", "cxlrt/alloc.pyx"),

@@ -34,8 +34,10 @@ from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
 from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, CXL_LINE_SIZE,
-                           CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING, CXL_SMALL_MAGIC,
-                           cxl_chunk_word_off, cxl_link_batch_off, cxl_link_mark_off,
+                           CXL_LINE_WORDS, CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING, CXL_SMALL_MAGIC,
+                           cxl_bitmap_bit, cxl_bitmap_mask, cxl_bitmap_word, cxl_bitmap_words,
+                           cxl_chunk_word_off, cxl_line_aligned, cxl_line_first_word,
+                           cxl_link_batch_off, cxl_link_mark_off,
                            cxl_link_next_off, cxl_rfree_jseq, cxl_rfree_jword,
                            cxl_rfree_queue, cxl_rfree_queue_off, cxl_rfree_queues_rel,
                            cxl_rq_count_off, cxl_rq_head_off, cxl_rq_jcount_off,
@@ -117,18 +119,18 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
     Whole lines go as one 64-byte store of constant size (a variable-size copy
     compiles to a rep movs that costs more than the words themselves). Words of one
     line may land in any order; each line lands before what is stored after it."""
-    cdef uint64_t line[8]
+    cdef uint64_t line[CXL_LINE_WORDS]
     cdef uint64_t j
     cdef int rc = 0
     CXL_ASSERT(k + n <= A.nchunks, b"table run written past the end of the table")
-    for j in range(8):
+    for j in range(CXL_LINE_WORDS):
         line[j] = w
     while n > 0 and rc == 0:
-        if (k & 7) == 0 and n >= 8:
-            rc = cxl_store(A.r, cxl_chunk_word_off(A.table_off, k), line, 64)
+        if cxl_line_first_word(k) == k and n >= CXL_LINE_WORDS:
+            rc = cxl_store(A.r, cxl_chunk_word_off(A.table_off, k), line, sizeof(line))
             cxl_fence_release()  # a plain copy: keep it before the stores that follow
-            k += 8
-            n -= 8
+            k += CXL_LINE_WORDS
+            n -= CXL_LINE_WORDS
         else:
             rc = _table_set(A, k, w)
             k += 1
@@ -141,24 +143,25 @@ cdef int _table_fill(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t w) noexce
 cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noexcept nogil:
     """Claim a free slot of our chunk k: 0 and *out, or 1 if the chunk is full."""
     cdef uint64_t base = _chunk_off(A, k), w = 0, full
-    cdef uint32_t nslots = CLASS_SLOTS[c], words = (nslots + 63) // 64, i, b
+    cdef uint32_t nslots = CLASS_SLOTS[c], words = cxl_bitmap_words(nslots), i, b
     cdef int rc
     for i in range(words):
         rc = cxl_load64(A.r, cxl_small_bitmap_off(base, i), &w)  # our own bitmap: no observe
         if rc != 0:
             return rc
-        full = <uint64_t>-1 if (i + 1) * 64 <= nslots else ((<uint64_t>1 << (nslots - i * 64)) - 1)
+        full = (<uint64_t>-1 if cxl_bitmap_bit(i + 1, 0) <= nslots
+                else cxl_bitmap_mask(nslots - cxl_bitmap_bit(i, 0)) - 1)
         if (w & full) != full:
             b = <uint32_t>cxl_ctz64(~w)
-            CXL_ASSERT(i * 64 + b < nslots, b"bitmap hands out a slot past the chunk's last")
-            rc = cxl_store64(A.r, cxl_small_bitmap_off(base, i), w | (<uint64_t>1 << b))
+            CXL_ASSERT(cxl_bitmap_bit(i, b) < nslots, b"bitmap hands out a slot past the chunk's last")
+            rc = cxl_store64(A.r, cxl_small_bitmap_off(base, i), w | cxl_bitmap_mask(b))
             if rc == 0:
                 # Publish the bit before the object is handed out: another node
                 # validating a free of it must see it allocated. The hand-out is a
                 # store, so ordering before later stores is enough (cxl_publish).
-                rc = cxl_publish(A.r, cxl_small_bitmap_off(base, i), 8)
+                rc = cxl_publish(A.r, cxl_small_bitmap_off(base, i), sizeof(uint64_t))
             if rc == 0:
-                out[0] = base + CLASS_DATA[c] + (i * 64 + b) * CLASS_SIZE[c]
+                out[0] = base + CLASS_DATA[c] + cxl_bitmap_bit(i, b) * CLASS_SIZE[c]
                 if unlikely(_armed[0]):
                     cxl_crash_hit(b"alloc.small")
             return rc
@@ -168,7 +171,7 @@ cdef int _take_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* out) noex
 cdef int _chunk_live(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t* live) noexcept nogil:
     """Count set bits of chunk k's bitmap (observed: used by any node)."""
     cdef uint64_t base = _chunk_off(A, k), w = 0, n = 0
-    cdef uint32_t words = (CLASS_SLOTS[c] + 63) // 64, i
+    cdef uint32_t words = cxl_bitmap_words(CLASS_SLOTS[c]), i
     cdef int rc = cxl_flush(A.r, cxl_small_bitmap_off(base, 0),
                             cxl_small_bitmap_bytes(CLASS_SLOTS[c]))
     for i in range(words):
@@ -185,8 +188,8 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
 
     *left receives the bitmap word after the clear (0 hints the chunk may be empty).
     """
-    cdef uint64_t off = cxl_small_bitmap_off(_chunk_off(A, k), slot // 64), w = 0
-    cdef uint64_t bit = <uint64_t>1 << (slot % 64)
+    cdef uint64_t off = cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot)), w = 0
+    cdef uint64_t bit = cxl_bitmap_mask(slot)
     cdef int rc
     CXL_ASSERT(c < CXL_NCLASSES, b"clearing a slot of no size class")
     CXL_ASSERT(slot < CLASS_SLOTS[c], b"clearing a slot past the chunk's last")
@@ -197,7 +200,7 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
         return CXLRT_E_DOUBLEFREE
     rc = cxl_store64(A.r, off, w & ~bit)
     if rc == 0:
-        rc = cxl_publish(A.r, off, 8)  # before the heap mutex's release store
+        rc = cxl_publish(A.r, off, sizeof(uint64_t))  # before the heap mutex's release store
     left[0] = w & ~bit
     return rc
 
@@ -211,18 +214,18 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
     a head whose length was corrupted can cost a fit, never an overlap.
     """
     cdef uint64_t k = 0, j, m = 0, b, at = <uint64_t>-1, run = 0, w
-    cdef uint64_t line[8]
+    cdef uint64_t line[CXL_LINE_WORDS]
     cdef int rc = 0
     CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"free run sought without the lock")
     while k < A.nchunks:
-        b = k & ~(<uint64_t>7)
+        b = cxl_line_first_word(k)
         if b != at:
             # Observe the line as we reach it, and read it whole (each load of one
             # word pays its own checks).
-            m = min(<uint64_t>8, A.nchunks - b)
+            m = min(<uint64_t>CXL_LINE_WORDS, A.nchunks - b)
             rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, b), m * sizeof(uint64_t))
-            if rc == 0 and m == 8:
-                rc = cxl_load(A.r, cxl_chunk_word_off(A.table_off, b), line, 64)
+            if rc == 0 and m == CXL_LINE_WORDS:
+                rc = cxl_load(A.r, cxl_chunk_word_off(A.table_off, b), line, sizeof(line))
             elif rc == 0:
                 for j in range(m):
                     rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, b + j), &line[j])
@@ -338,7 +341,7 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     if rc == 0:
         rc = _table_set(A, k, _word(CXL_CK_SMALL, A.node, c))
     if rc == 0:
-        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), 8)
+        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), sizeof(uint64_t))
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc != 0:
@@ -350,7 +353,7 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     rc = cxl_flush(A.r, base, hdr_bitmap)
     if rc != 0:
         return rc
-    for i in range(0, (CLASS_SLOTS[c] + 63) // 64):
+    for i in range(cxl_bitmap_words(CLASS_SLOTS[c])):
         rc = cxl_store64(A.r, cxl_small_bitmap_off(base, i), 0)
         if rc != 0:
             return rc
@@ -365,7 +368,7 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
         rc = cxl_store64(A.r, cxl_small_magic_off(base),
                          (<uint64_t>CLASS_SIZE[c] << 32) | CXL_SMALL_MAGIC)
     if rc == 0:
-        rc = cxl_persist(A.r, cxl_small_magic_off(base), 8)
+        rc = cxl_persist(A.r, cxl_small_magic_off(base), sizeof(uint64_t))
     chunk[0] = k
     return rc
 
@@ -382,7 +385,7 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
         return rc
     # Observe the whole line first: its other words belong to other chunks, and a
     # write-back of a stale copy would revert their owners' updates.
-    rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), 8)
+    rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), sizeof(uint64_t))
     if rc == 0:
         rc = _fence(A, t0)
     if rc == 0:
@@ -390,11 +393,11 @@ cdef int _release_chunk(cxl_allocctx* A, uint64_t k) noexcept nogil:
     if rc == 0:
         # Before the table frees it: a crash in between leaves a chunk of ours that was
         # never carved, which `cxlrt check --repair` gives back.
-        rc = cxl_persist(A.r, _chunk_off(A, k), 8)
+        rc = cxl_persist(A.r, _chunk_off(A, k), sizeof(uint64_t))
     if rc == 0:
         rc = _table_set(A, k, 0)
     if rc == 0:
-        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), 8)
+        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), sizeof(uint64_t))
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
@@ -408,7 +411,7 @@ cdef inline uint64_t _queue(cxl_allocctx* A, uint32_t node) noexcept nogil:
 
 cdef inline bint _objlike(cxl_allocctx* A, uint64_t x) noexcept nogil:
     """x could be a small object: inside the heap and line-aligned (below 2**48)."""
-    return x >= A.heap_off and x < A.heap_off + A.nchunks * CHUNK and (x & 63) == 0
+    return x >= A.heap_off and x < A.heap_off + A.nchunks * CHUNK and cxl_line_aligned(x)
 
 
 cdef int _slot_of(cxl_allocctx* A, uint64_t x, uint64_t* k, uint32_t* c,
@@ -591,13 +594,13 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
     cdef uint64_t q, bm, bw = 0, head = 0, count = 0, seq = 0, nxt = 0, mark = 0, batch = 0
     cdef uint64_t t0 = 0, jw = 0
     cdef int rc
-    bm = cxl_small_bitmap_off(_chunk_off(A, k), slot // 64)  # the owner's bitmap word: still live?
-    rc = cxl_flush(A.r, bm, 8)
+    bm = cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot))  # the owner's: still live?
+    rc = cxl_flush(A.r, bm, sizeof(uint64_t))
     if rc == 0:
         rc = cxl_load64(A.r, bm, &bw)
     if rc != 0:
         return rc
-    if not (bw >> (slot % 64)) & 1:
+    if not bw & cxl_bitmap_mask(slot):
         return CXLRT_E_DOUBLEFREE
     rc = _alloc_lock(A, &t0)
     if rc != 0:
@@ -636,7 +639,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
 cdef int _journal_pending(cxl_allocctx* A, bint* pending) noexcept nogil:
     """Whether our journal holds a batch not yet applied to the end."""
     cdef uint64_t q = _queue(A, A.node), jw = 0
-    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), 8)
+    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), sizeof(uint64_t))
     if rc == 0:
         rc = cxl_load64(A.r, cxl_rq_jword_off(q), &jw)
     pending[0] = (jw & CXL_OFF_MASK) != 0
@@ -662,7 +665,7 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     cdef uint32_t empty_c[RELEASE_HINTS]
     cdef uint32_t c = 0, nempty = 0, j
     # Observe even our own line: another process of this node may have written it.
-    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), 8)
+    cdef int rc = cxl_flush(A.r, cxl_rq_jword_off(q), sizeof(uint64_t))
     if rc == 0:
         rc = cxl_load64(A.r, cxl_rq_jword_off(q), &jw)
     if rc != 0 or (jw & CXL_OFF_MASK) == 0:

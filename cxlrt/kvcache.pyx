@@ -115,9 +115,11 @@ from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready,
 from cxlrt.kvindex cimport (KV_PIN_WHERE, kv_add_occupancy, kv_bury, kv_claim_at, kv_cnode,
                             kv_complete, kv_cpid, kv_entry_at, kv_fenced, kv_free_payload, kv_gen,
                             kv_get, kv_get_counters, kv_give_back, kv_holds, kv_index, kv_kind,
-                            kv_line_ok, kv_mix, kv_payload_ok, kv_pin_at, kv_probe, kv_put, kv_read,
-                            kv_rec_alloc, kv_rec_clear, kv_rec_put, kv_rec_top, kv_record_at,
-                            kv_same_key, kv_set_counters, kv_state, kv_stats_at, kv_write, kv_zero)
+                            kv_line_ok, kv_meta, kv_mix, kv_owner, kv_owner_node, kv_owner_pid,
+                            kv_payload_ok, kv_pin_at, kv_probe, kv_put, kv_read, kv_rec_alloc,
+                            kv_rec_clear, kv_rec_put, kv_rec_top, kv_record_at, kv_retag,
+                            kv_same_key, kv_set_counters, kv_set_key, kv_state, kv_stats_at,
+                            kv_tag, kv_write, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
                              CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
@@ -505,7 +507,7 @@ cdef class KVCache:
         if self._id_pid == pid:
             return 0
         live = self.region.liveness
-        self._id_tag = (<uint64_t>self.K.node << 8) | (<uint64_t>pid << 24)
+        self._id_tag = kv_tag(0, self.K.node, <uint64_t>pid)
         self._id_inc = live.incarnation if live is not None else 0
         self._id_start = process_start(pid)
         self._id_where = _where_hash()
@@ -513,7 +515,7 @@ cdef class KVCache:
         return 0
 
     cdef bint _is_me(self, const kv_claim* c) noexcept:
-        return ((c.tag & ~(<uint64_t>0xff)) == self._id_tag and c.start == self._id_start
+        return (kv_retag(c.tag, 0) == self._id_tag and c.start == self._id_start
                 and c.where == self._id_where)
 
     cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff:
@@ -702,9 +704,8 @@ cdef class KVCache:
         if (kv_line_ok(c) and kv_kind(c) == KV_REC_CLAIM and c.epoch == kv_gen(e)
                 and c.off == e.off and c.slot == s):
             return 1
-        memset(c, 0, 64)
-        c.tag = (KV_REC_CLAIM | ((e.owner & 0xffff) << 8)
-                 | (((e.owner >> 16) & 0xffffffff) << 24))
+        memset(c, 0, sizeof(kv_claim))
+        c.tag = kv_tag(KV_REC_CLAIM, kv_owner_node(e.owner), kv_owner_pid(e.owner))
         c.off = e.off
         c.epoch = kv_gen(e)
         c.slot = s
@@ -779,14 +780,14 @@ cdef class KVCache:
             any |= d[i]
         if any == 0:  # a pin pass right after a release usually has nothing to add
             return 0
-        rc = cxl_load(self.r, at, w, 64)
+        rc = cxl_load(self.r, at, w, sizeof(kv_stats))
         if rc != 0:
             return rc
         for i in range(KV_ST_WORDS):
             w[i] += d[i]
-        rc = cxl_store(self.r, at, w, 64)
+        rc = cxl_store(self.r, at, w, sizeof(kv_stats))
         if rc == 0:
-            rc = cxl_flush_nodrain(self.r, at, 64)
+            rc = cxl_flush_nodrain(self.r, at, sizeof(kv_stats))
         return rc
 
     cdef int _stats_locked(self, const uint64_t* d) noexcept nogil:
@@ -814,6 +815,20 @@ cdef class KVCache:
             detail = f"this node holds {KV_PIN_MAX} pins on one block; release hits"
         return self.region._rc(rc, where, 0, 0, detail)
 
+    cdef uint64_t _alloc_payload(self) except? 0:
+        """A payload chunk for one block (cache lock held), or 0 when the heap has
+        no room for one; any other failure of the allocator raises."""
+        cdef uint64_t off = 0
+        cdef int rc
+        with nogil:
+            rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
+        if rc == CXLRT_E_NOMEM:
+            return 0
+        if rc != 0:
+            # the allocator's own status, not the cache lock's: check_rc says it as is
+            self.region._rc(rc, f"KV cache {self.name!r}: store: allocating a payload", 0, 0)
+        return off
+
     cdef void _need_open(self) except *:
         if self._closed:
             raise ValueError(f"KV cache {self.name!r} is closed")
@@ -821,6 +836,14 @@ cdef class KVCache:
             self.region._rc(CXLRT_E_CLOSED, "KV cache", 0, 0)
         if self._orphans:
             self._reap()
+
+    cdef void _need_hit(self, Hit hit) except *:
+        """An open cache, and a hit of it whose pins still hold its blocks."""
+        self._need_open()
+        if hit.cache is not self:
+            raise ValueError("this Hit came from another KV cache")
+        if hit.released:
+            raise ValueError("this Hit was released: its blocks may be gone")
 
     # --- hits dropped without release() ------------------------------------------------
     # Hit.__dealloc__ may run anywhere the GIL is held, also while another thread of
@@ -968,7 +991,7 @@ cdef class KVCache:
         for j in range(m):
             w = 0
             rc = cxl_observe64(self.r, kv_entry_at(&self.K, hit.slots[j]) + KV_ENTRY_META, &w)
-            want = (hit.gens[j] << 8) | KV_READY
+            want = kv_meta(hit.gens[j], KV_READY)
             if rc != 0 or w != want:
                 keep = j
                 break
@@ -1073,11 +1096,7 @@ cdef class KVCache:
         The payload header is checked before and after each copy, so a block
         that is not the stored one raises instead of being returned.
         """
-        self._need_open()
-        if hit.cache is not self:
-            raise ValueError("this Hit came from another KV cache")
-        if hit.released:
-            raise ValueError("this Hit was released: its blocks may be gone")
+        self._need_hit(hit)
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= hit.n:
             raise ValueError(f"start must be an int in 0..{hit.n}, got {start!r}")
         cdef uint64_t first = start
@@ -1122,11 +1141,7 @@ cdef class KVCache:
         Valid while the hit is pinned. On a non-coherent mapping the payload's
         lines are flushed first, so the CPU reads what the writer's DMA left.
         """
-        self._need_open()
-        if hit.cache is not self:
-            raise ValueError("this Hit came from another KV cache")
-        if hit.released:
-            raise ValueError("this Hit was released: its blocks may be gone")
+        self._need_hit(hit)
         if not self.r.caps & CXL_CAP_MAPPABLE:
             from cxlrt.errors import UnsupportedError
             raise UnsupportedError(f"views: {self.region.backend.scheme}: memory is not "
@@ -1336,24 +1351,15 @@ cdef class KVCache:
                 self._raise(rc, "store")
         if free_slot == <uint64_t>-1:
             return False
-        with nogil:
-            rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
-        if rc != 0:
-            if rc != CXLRT_E_NOMEM:
-                self._raise(rc, "store")
-            off = 0
+        off = self._alloc_payload()
+        if off == 0:
             # Each evicted payload makes room for one of the same size, unless its
             # memory goes back through another node's remote-free queue (usable once
             # that node drains it) or into quarantine. So one round, for exactly the
             # blocks still needed; then no room, rather than emptying the cache for
             # memory this node cannot have yet.
             if self._evict(min(self._absent(ks, j), self.capacity)):
-                with nogil:
-                    rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
-                if rc != 0:
-                    if rc != CXLRT_E_NOMEM:
-                        self._raise(rc, "store")
-                    off = 0
+                off = self._alloc_payload()
             if off == 0:
                 return False
             with nogil:
@@ -1381,7 +1387,7 @@ cdef class KVCache:
                   and old.slot == s and old.off != 0 and old.off != off)
         # The claim first, on its own line: who writes this slot's payload, in which
         # life of its node, at which epoch.
-        memset(&c, 0, 64)
+        memset(&c, 0, sizeof(c))
         c.tag = self._id_tag | KV_REC_CLAIM
         c.off = off
         c.epoch = gen
@@ -1390,11 +1396,11 @@ cdef class KVCache:
         c.start = self._id_start
         c.where = self._id_where
         c.check = kv_mix(&c)
-        memcpy(<void*>e.key, kp, 16)
-        e.meta = (gen << 8) | KV_WRITING
+        kv_set_key(&e, kp)
+        e.meta = kv_meta(gen, KV_WRITING)
         e.off = off
         e.len = KV_PAYLOAD_HDR + self.block_bytes
-        e.owner = self.K.node | (<uint64_t>self._id_pid << 16)
+        e.owner = kv_owner(self.K.node, <uint64_t>self._id_pid)
         e.stamp_ns = cxl_wall_ns()
         CXL_ASSERT(kv_payload_ok(&self.K, &e), b"reserved payload outside the heap or misaligned")
         with nogil:
@@ -1455,7 +1461,7 @@ cdef class KVCache:
             h.block_bytes = bb
             h.cache = self.offset
             h.progress = prog
-            h.writer = self.K.node | (<uint64_t>self._id_pid << 16)
+            h.writer = kv_owner(self.K.node, <uint64_t>self._id_pid)
             rc = cxl_dma_write(self.r, jobs[i].off, &h, sizeof(h))
             if rc != 0:
                 return rc
@@ -1529,7 +1535,7 @@ cdef class KVCache:
                 continue
             if unlikely(_armed[0]):
                 cxl_crash_hit(b"kv.store.publish")
-            e.meta = (gen << 8) | KV_READY
+            e.meta = kv_meta(gen, KV_READY)
             e.stamp_ns = cxl_wall_ns()
             CXL_ASSERT(kv_payload_ok(&self.K, &e), b"publishing an entry whose payload is not ours")
             with nogil:
@@ -1560,8 +1566,8 @@ cdef class KVCache:
         between the two leaks this payload)."""
         cdef uint64_t off = e.off
         cdef int rc
-        memset(<void*>e.key, 0, 16)
-        e.meta = ((kv_gen(e) + 1) << 8) | KV_TOMBSTONE
+        kv_set_key(e, NULL)
+        e.meta = kv_meta(kv_gen(e) + 1, KV_TOMBSTONE)
         e.off = e.len = e.owner = 0
         with nogil:
             rc = kv_write(&self.K, s, e)
@@ -1787,7 +1793,7 @@ cdef class KVCache:
                 continue
             out.append({"slot": s, "state": STATE_NAMES.get(st, str(st)), "generation": kv_gen(&e),
                         "key": (<char*>e.key)[:16], "offset": e.off, "length": e.len,
-                        "node": e.owner & 0xffff, "pid": e.owner >> 16})
+                        "node": kv_owner_node(e.owner), "pid": kv_owner_pid(e.owner)})
         return out
 
     def slot_offset(self, uint64_t s):

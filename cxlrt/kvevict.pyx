@@ -8,7 +8,8 @@ from cxlrt.includes.intrin cimport CXLRT_TEST_HOOK
 from cxlrt.kvcache cimport (KV_EMPTY, KV_EVICTING, KV_READY, KV_REC_EVICT, KV_REC_TAKE,
                             KV_TOMBSTONE, KV_WRITING, kv_claim, kv_entry)
 from cxlrt.kvindex cimport (KV_PIN_WHERE, kv_add_occupancy, kv_bury, kv_gen, kv_lowest,
-                            kv_payload_ok, kv_pin_at, kv_read, kv_state, kv_write)
+                            kv_meta, kv_payload_ok, kv_pin_at, kv_read, kv_state, kv_tag,
+                            kv_write)
 from cxlrt.kvpins cimport KV_PIN_MAX
 from cxlrt.liveness cimport CXL_LIVE_ALIVE, CXL_LIVE_MAX_NODES, cxl_node_state
 from cxlrt.status cimport CXLRT_E_KVCORRUPT
@@ -93,7 +94,7 @@ cdef int kv_evict_ready(kv_index* K, uint64_t s, int* freed) noexcept nogil:
     if kv_state(&e) != KV_READY and kv_state(&e) != KV_EVICTING:
         return 0
     gen = kv_gen(&e)
-    e.meta = (gen << 8) | KV_EVICTING
+    e.meta = kv_meta(gen, KV_EVICTING)
     rc = kv_write(K, s, &e)  # ends with a full fence: then read the pins
     if rc != 0:
         return rc
@@ -101,7 +102,7 @@ cdef int kv_evict_ready(kv_index* K, uint64_t s, int* freed) noexcept nogil:
     if rc < 0:
         return rc
     if rc == 1 and not CXLRT_TEST_HOOK(K.ignore_pins):
-        e.meta = (gen << 8) | KV_READY  # a reader pinned it meanwhile: it stays
+        e.meta = kv_meta(gen, KV_READY)  # a reader pinned it meanwhile: it stays
         return kv_write(K, s, &e)
     if not kv_payload_ok(K, &e):
         K.bad_slot = s
@@ -110,8 +111,8 @@ cdef int kv_evict_ready(kv_index* K, uint64_t s, int* freed) noexcept nogil:
             K.no_quarantine):
         # Pins of nodes judged gone: a stalled one may resume and read through
         # them, so the payload is quarantined under their names, not freed.
-        memset(&c, 0, 64)
-        c.tag = <uint64_t>kv_lowest(gone) << 8
+        memset(&c, 0, sizeof(c))
+        c.tag = kv_tag(0, kv_lowest(gone), 0)
         c.start = gone
         c.where = KV_PIN_WHERE
         return kv_bury(K, s, &e, KV_REC_TAKE, &c, freed)
@@ -220,7 +221,7 @@ cdef int kv_sweep(kv_index* K) noexcept nogil:
             cover = never
         elif st == KV_TOMBSTONE:
             if u < cover and k >= (laps - 1) * n:
-                e.meta = (kv_gen(&e) << 8) | KV_EMPTY
+                e.meta = kv_meta(kv_gen(&e), KV_EMPTY)
                 rc = kv_write(K, s, &e)
                 if rc != 0:
                     return rc

@@ -5,7 +5,7 @@
 # The object map and the invariants are in kvcache.pxd; kvcache.pyx is the Python
 # API over this, kvevict.pyx the eviction pass.
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.alloc cimport cxl_allocctx
 from cxlrt.backend cimport cxl_region
@@ -60,6 +60,13 @@ cdef inline bint kv_line_ok(const void* p) noexcept nogil:
     return (<const uint64_t*>p)[7] == kv_mix(p) or kv_zero(p)
 
 
+# An entry's meta word is generation << 8 | state, its owner node | pid << 16; a
+# claim's tag is kind | node << 8 | pid << 24. These are the only places that know it.
+
+cdef inline uint64_t kv_meta(uint64_t gen, uint32_t state) noexcept nogil:
+    return (gen << 8) | state
+
+
 cdef inline uint32_t kv_state(const kv_entry* e) noexcept nogil:
     return <uint32_t>(e.meta & 0xff)
 
@@ -69,7 +76,37 @@ cdef inline uint64_t kv_gen(const kv_entry* e) noexcept nogil:
 
 
 cdef inline bint kv_same_key(const kv_entry* e, const char* k) noexcept nogil:
-    return memcmp(<const void*>e.key, k, 16) == 0
+    return memcmp(<const void*>e.key, k, sizeof(e.key)) == 0
+
+
+cdef inline void kv_set_key(kv_entry* e, const char* k) noexcept nogil:
+    """k: sizeof(e.key) bytes, or NULL for no key (a tombstone's)."""
+    if k == NULL:
+        memset(<void*>e.key, 0, sizeof(e.key))
+    else:
+        memcpy(<void*>e.key, k, sizeof(e.key))
+
+
+cdef inline uint64_t kv_tag(uint32_t kind, uint64_t node, uint64_t pid) noexcept nogil:
+    return kind | (node << 8) | (pid << 24)
+
+
+cdef inline uint64_t kv_retag(uint64_t tag, uint32_t kind) noexcept nogil:
+    """The same writer's tag with another kind."""
+    return (tag & ~(<uint64_t>0xff)) | kind
+
+
+cdef inline uint64_t kv_owner(uint64_t node, uint64_t pid) noexcept nogil:
+    """An entry's owner word (and a payload header's writer): node | pid << 16."""
+    return node | (pid << 16)
+
+
+cdef inline uint64_t kv_owner_node(uint64_t owner) noexcept nogil:
+    return owner & 0xffff
+
+
+cdef inline uint64_t kv_owner_pid(uint64_t owner) noexcept nogil:
+    return (owner >> 16) & <uint64_t>0xffffffffU
 
 
 cdef inline uint32_t kv_kind(const kv_claim* c) noexcept nogil:

@@ -9,7 +9,7 @@ from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport CXL_ASSERT, cxl_backoff, unlikely
 from cxlrt.kvcache cimport (KV_EMPTY, KV_EVICTING, KV_PAYLOAD_HDR, KV_REC_DEFERRED, KV_REC_QUARANTINE,
                             KV_REC_TAKE, KV_TOMBSTONE, kv_claim, kv_entry)
-from cxlrt.layout cimport kv_counters
+from cxlrt.layout cimport CXL_LINE_SIZE, kv_counters
 from cxlrt.liveness cimport cxl_live_silent_since
 from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
                            CXLRT_E_KVCORRUPT)
@@ -22,7 +22,7 @@ cdef int kv_read(kv_index* K, uint64_t s, kv_entry* e) noexcept nogil:
     cdef uint64_t at = kv_entry_at(K, s), spins = 0
     cdef int rc, tries
     for tries in range(1000):
-        rc = cxl_observe(K.r, at, e, 64)
+        rc = cxl_observe(K.r, at, e, CXL_LINE_SIZE)
         if rc != 0:
             return rc
         if kv_line_ok(e):
@@ -53,17 +53,17 @@ cdef int kv_put(kv_index* K, uint64_t at, const void* line) noexcept nogil:
     CXL_ASSERT(K.hold_t0 != 0, b"a cache line written outside a hold of the cache lock")
     if kv_fenced(K):
         return CXLRT_E_FENCED
-    rc = cxl_flush(K.r, at, 64)  # drop a stale copy before writing the line
+    rc = cxl_flush(K.r, at, CXL_LINE_SIZE)  # drop a stale copy before writing the line
     if rc == 0:
-        rc = cxl_store(K.r, at, line, 64)
+        rc = cxl_store(K.r, at, line, CXL_LINE_SIZE)
     if rc == 0:
-        rc = cxl_persist(K.r, at, 64)
+        rc = cxl_persist(K.r, at, CXL_LINE_SIZE)
     return rc
 
 
 cdef int kv_get(kv_index* K, uint64_t at, void* line) noexcept nogil:
     """Observe one line (drop our copy, then load)."""
-    cdef int rc = cxl_observe(K.r, at, line, 64)
+    cdef int rc = cxl_observe(K.r, at, line, CXL_LINE_SIZE)
     return rc
 
 
@@ -176,7 +176,7 @@ cdef int kv_rec_clear(kv_index* K, uint64_t i) noexcept nogil:
     cdef kv_counters w
     cdef uint64_t top
     cdef int rc
-    memset(&c, 0, 64)
+    memset(&c, 0, sizeof(c))
     rc = kv_put(K, kv_record_at(K, i), &c)
     if rc == 0:
         rc = kv_get_counters(K, &w)
@@ -210,7 +210,7 @@ cdef int kv_free_payload(kv_index* K, uint64_t off) noexcept nogil:
     rc = kv_rec_alloc(K, &i)
     if rc != 0 or i < 0:
         return rc  # no line to remember it in: this payload leaks (a full table)
-    memset(&c, 0, 64)
+    memset(&c, 0, sizeof(c))
     c.tag = KV_REC_DEFERRED
     c.off = off
     return kv_rec_put(K, <uint64_t>i, &c)
@@ -228,7 +228,7 @@ cdef int kv_give_back(kv_index* K, uint64_t i, uint64_t off) noexcept nogil:
 cdef int kv_complete(kv_index* K, uint64_t i, kv_claim* c) noexcept nogil:
     """Finish record i once its entry no longer holds the payload."""
     if kv_kind(c) == KV_REC_TAKE:
-        c.tag = (c.tag & ~(<uint64_t>0xff)) | KV_REC_QUARANTINE
+        c.tag = kv_retag(c.tag, KV_REC_QUARANTINE)
         return kv_rec_put(K, i, c)
     return kv_give_back(K, i, c.off)
 
@@ -249,10 +249,10 @@ cdef int kv_bury(kv_index* K, uint64_t s, kv_entry* e, uint32_t kind, const kv_c
     if rc != 0 or i < 0:
         return rc
     if who != NULL:
-        memcpy(&c, who, 64)
+        memcpy(&c, who, sizeof(c))
     else:
-        memset(&c, 0, 64)
-    c.tag = (c.tag & ~(<uint64_t>0xff)) | kind
+        memset(&c, 0, sizeof(c))
+    c.tag = kv_retag(c.tag, kind)
     c.off = e.off
     c.epoch = kv_gen(e)
     c.slot = s
@@ -261,8 +261,8 @@ cdef int kv_bury(kv_index* K, uint64_t s, kv_entry* e, uint32_t kind, const kv_c
         return rc
     if unlikely(_armed[0]):
         cxl_crash_hit(b"kv.evict.intent")
-    memset(<void*>e.key, 0, 16)
-    e.meta = ((kv_gen(e) + 1) << 8) | KV_TOMBSTONE
+    kv_set_key(e, NULL)
+    e.meta = kv_meta(kv_gen(e) + 1, KV_TOMBSTONE)
     e.off = e.len = e.owner = 0
     rc = kv_write(K, s, e)
     if rc != 0:

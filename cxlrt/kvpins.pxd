@@ -15,12 +15,42 @@
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
+from cxlrt.layout cimport CXL_LINE_SIZE
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.mapping cimport Mapping
 
 
 cdef enum:
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
+
+
+# The node-local table (a file in the node-local folder, never in the region): one
+# header line, then RECORDS records of one head line and the record's pin counts
+# (one uint16_t a slot, padded to whole lines).
+ctypedef struct kv_pin_file_header:
+    uint64_t magic
+    uint64_t pins              # the cache's pin words in the region, and its slots: a
+    uint64_t slots             # table of another cache at this path is rebuilt
+    char boot_id[16]           # the boot that built it: a reboot leaves no live pins
+    uint64_t pidns             # the pid namespace every process of the node must share
+    uint64_t reserved[2]
+
+
+ctypedef struct kv_pin_record_head:
+    uint64_t pid               # 0 = a free record
+    uint64_t start             # the process's start time (clock ticks after boot)
+    uint64_t reserved[6]
+
+
+cdef inline uint64_t kv_pin_record_bytes(uint64_t slots) noexcept nogil:
+    """One record of the node-local table: its head line, then its counts in whole lines."""
+    cdef uint64_t counts = slots * sizeof(uint16_t)
+    return sizeof(kv_pin_record_head) + (counts + CXL_LINE_SIZE - 1) // CXL_LINE_SIZE * CXL_LINE_SIZE
+
+
+cdef inline uint64_t kv_pin_record_off(uint64_t slots, uint64_t k) noexcept nogil:
+    """File offset of record k's head."""
+    return sizeof(kv_pin_file_header) + k * kv_pin_record_bytes(slots)
 
 
 cdef inline uint64_t kv_pin_word(uint64_t pins, uint64_t slots, uint64_t node,
@@ -40,7 +70,6 @@ cdef class PinTable:
     cdef readonly uint64_t slots
     cdef Mapping _map              # the node-local table
     cdef char* _base
-    cdef uint64_t _stride
     cdef int _rec                  # our record, and the pid that claimed it
     cdef int _rec_pid
     cdef object _region

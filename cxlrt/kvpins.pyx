@@ -10,6 +10,7 @@ from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load6
 from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_local_try_enter, cxl_lock_held
 from cxlrt.includes.intrin cimport CXL_ASSERT
+from cxlrt.layout cimport CXL_LINE_SIZE
 from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, check_rc
 
@@ -22,7 +23,11 @@ from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 __all__ = ["PinTable", "process_alive", "process_start"]
 
 cdef uint64_t TABLE_MAGIC = 0x31305050_4B4C5843  # "CXLKPP01"
-cdef uint64_t TABLE_HDR = 64
+# where the header's identity words are (the rest of the line is zero)
+cdef size_t _WHERE = <size_t>&(<kv_pin_file_header*>NULL).boot_id
+cdef size_t _PIDNS = <size_t>&(<kv_pin_file_header*>NULL).pidns
+cdef size_t _HEAD_USED = _PIDNS + sizeof(uint64_t)
+assert sizeof(kv_pin_file_header) == CXL_LINE_SIZE and sizeof(kv_pin_record_head) == CXL_LINE_SIZE
 cdef int RECORDS = 64                           # processes of one node pinning at once
 
 
@@ -57,11 +62,10 @@ cdef class PinTable:
         self.slots = slots
         self._rec = -1
         self._path = path
-        self._stride = 64 + (slots * 2 + 63) // 64 * 64
         self._open(path)
 
     def _open(self, str path):
-        size = TABLE_HDR + RECORDS * self._stride
+        size = kv_pin_record_off(self.slots, RECORDS)
         head = (TABLE_MAGIC.to_bytes(8, "little") + self.pins.to_bytes(8, "little")
                 + self.slots.to_bytes(8, "little"))
         where = boot_id() + pid_namespace().to_bytes(8, "little")
@@ -69,15 +73,16 @@ cdef class PinTable:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one process of the node builds it
-            old = os.pread(fd, 48, 0)
-            if os.fstat(fd).st_size != size or old[:24] != head or old[24:40] != where[:16]:
+            old = os.pread(fd, _HEAD_USED, 0)
+            if (os.fstat(fd).st_size != size or old[:_WHERE] != head
+                    or old[_WHERE:_PIDNS] != where[:_PIDNS - _WHERE]):
                 # New, or left by an earlier boot (a local dir that outlives reboots):
                 # either way no live process holds a pin through it.
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, size)
                 os.pwrite(fd, head + where, 0)
                 fresh = True
-            elif old[40:48] != where[16:]:
+            elif old[_PIDNS:] != where[_PIDNS - _WHERE:]:
                 raise RegionError(
                     f"{path}: another process of node {self.node} runs in a different pid "
                     "namespace (another container?). Pins are given back by pid, so every "
@@ -205,11 +210,12 @@ cdef class PinTable:
     # --- records -------------------------------------------------------------------------
 
     cdef uint16_t* _record(self, int k) noexcept nogil:
-        return <uint16_t*>(self._base + TABLE_HDR + <uint64_t>k * self._stride + 64)
+        return <uint16_t*>(self._base + kv_pin_record_off(self.slots, k)
+                           + sizeof(kv_pin_record_head))
 
     cdef uint64_t* _head(self, int k) noexcept nogil:
         """[pid, start time] of record k; pid 0 = free."""
-        return <uint64_t*>(self._base + TABLE_HDR + <uint64_t>k * self._stride)
+        return <uint64_t*>(self._base + kv_pin_record_off(self.slots, k))
 
     cdef int _rebuild(self) noexcept nogil:
         cdef uint64_t s, w, at, total
@@ -298,7 +304,7 @@ cdef class PinTable:
             self._recover_locked()
             for k in range(RECORDS):
                 if self._head(k)[0] == 0:
-                    memset(self._record(k), 0, self.slots * 2)
+                    memset(self._record(k), 0, self.slots * sizeof(uint16_t))
                     self._head(k)[1] = _my_start()
                     self._head(k)[0] = pid
                     self._rec = k
@@ -341,7 +347,7 @@ cdef class PinTable:
         self._enter()
         try:
             at = self.at(self.node, 0)
-            zeros = bytes(self.slots * 8)
+            zeros = bytes(self.slots * sizeof(uint64_t))
             self._region.flush(at, len(zeros))
             self._region.store(at, zeros)
             self._region.persist(at, len(zeros))

@@ -345,7 +345,7 @@ cdef inline uint64_t cxl_small_bitmap_off(uint64_t chunk, uint64_t word) noexcep
 
 cdef inline uint64_t cxl_small_bitmap_bytes(uint64_t nslots) noexcept nogil:
     """Bytes of the bitmap of a chunk of `nslots` slots (whole 64-bit words)."""
-    return (nslots + 63) // 64 * sizeof(uint64_t)
+    return cxl_bitmap_words(nslots) * sizeof(uint64_t)
 
 
 # --- KV cache object (the object map and its invariants are in kvcache.pxd) -------
@@ -501,3 +501,42 @@ cdef inline uint64_t cxl_chan_slot_num_off(uint64_t slot) noexcept nogil:
     """Region offset of a ring slot's message number: a slot holds its length word, its
     message number, then the payload."""
     return slot + sizeof(uint64_t)
+
+
+# --- words of bitmaps and table lines ------------------------------------------------
+# A small chunk's bitmap is whole 64-bit words, slot s at bit s % 64 of word s // 64;
+# the chunk table is read and written a whole line (CXL_LINE_WORDS words) at a time.
+
+cdef enum:
+    CXL_WORD_BITS = 64
+    CXL_LINE_WORDS = CXL_LINE_SIZE // 8
+
+
+cdef inline uint64_t cxl_bitmap_words(uint64_t nbits) noexcept nogil:
+    """Words of a bitmap of `nbits` bits."""
+    return (nbits + CXL_WORD_BITS - 1) // CXL_WORD_BITS
+
+
+cdef inline uint64_t cxl_bitmap_word(uint64_t bit) noexcept nogil:
+    """The word that holds bit `bit`."""
+    return bit // CXL_WORD_BITS
+
+
+cdef inline uint64_t cxl_bitmap_mask(uint64_t bit) noexcept nogil:
+    """Bit `bit`'s mask within its word."""
+    return <uint64_t>1 << (bit % CXL_WORD_BITS)
+
+
+cdef inline uint64_t cxl_bitmap_bit(uint64_t word, uint64_t b) noexcept nogil:
+    """Bit b of word `word`, counted from the bitmap's start."""
+    return word * CXL_WORD_BITS + b
+
+
+cdef inline uint64_t cxl_line_first_word(uint64_t k) noexcept nogil:
+    """Index of the first word of the line that word k of a line-aligned array is in."""
+    return k & ~(<uint64_t>CXL_LINE_WORDS - 1)
+
+
+cdef inline bint cxl_line_aligned(uint64_t x) noexcept nogil:
+    """An offset on a line boundary."""
+    return (x & (CXL_LINE_SIZE - 1)) == 0

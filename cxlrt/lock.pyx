@@ -288,6 +288,7 @@ cdef class LockService:
         self.L.nodes = region.nodes
         self.L.node = region.node
         self.L.lease_ns = <uint64_t>region.lease_ms * 1_000_000
+        self.L.armed = _armed
         self.lease_s = region.lease_ms / 1000.0
         self.manager_wait = max(MANAGER_WAIT_S, 2 * self.lease_s)
         self.manager_spin = MANAGER_SPIN_S

@@ -31,6 +31,7 @@ ctypedef struct cxl_lockctx:
     uint64_t mgr_wait_ns      # a manager-mode waiter gives up once no manager ran this long
     uint32_t nodes
     uint32_t node
+    int* armed                # crash.pxd's process-wide flag: a crash point is armed
 
 
 cdef inline cxl_local_lock* cxl_lock_slot(cxl_lockctx* L, uint32_t id) noexcept nogil:

@@ -29,6 +29,9 @@ from cxlrt.errors import (ChecksumError, LayoutVersionError, NodeRangeError, Not
 MAGIC = 0x31475254524C5843  # b"CXLRTRG1" little-endian
 VERSION = CXL_LAYOUT_VERSION
 SB_BYTES = sizeof(cxl_superblock)
+# the checksum covers every byte before its own field, the struct's last
+cdef size_t _SUMMED = <size_t>&(<cxl_superblock*>NULL).checksum
+assert _SUMMED + sizeof((<cxl_superblock*>NULL).checksum) == SB_BYTES
 NODE_AREA = CXL_NODE_AREA
 PAGE = CXL_SB_PAGE
 MAX_NODES = CXL_MAX_NODES
@@ -54,7 +57,7 @@ def checksum(bytes raw):
     """Checksum of a packed superblock: FNV-1a 64 over every byte before the field."""
     if len(raw) < SB_BYTES:
         raise ValueError("short superblock")
-    return cxl_fnv1a64(<const uint8_t*><const char*>raw, SB_BYTES - 8)
+    return cxl_fnv1a64(<const uint8_t*><const char*>raw, _SUMMED)
 
 
 def _align(n, a):
@@ -129,7 +132,7 @@ def pack(unsigned long long size, int nodes, unsigned long long uuid, bint with_
         sb.sections[i].off, sb.sections[i].size = sec[name]
     sb.lease_ms = lease_ms
     sb.chunk_size = CXL_CHUNK
-    sb.checksum = cxl_fnv1a64(<const uint8_t*>&sb, sizeof(sb) - 8)
+    sb.checksum = cxl_fnv1a64(<const uint8_t*>&sb, _SUMMED)
     if not with_magic:
         sb.magic = 0
     return (<char*>&sb)[:sizeof(sb)]
@@ -166,7 +169,7 @@ def unpack(bytes raw, unsigned long long medium_size, str where):
         raise LayoutVersionError(
             f"{where}: layout version {sb.version}, but this cxlrt reads version "
             f"{CXL_LAYOUT_VERSION}; use the cxlrt release that formatted it or reformat")
-    want = cxl_fnv1a64(<const uint8_t*>&sb, sizeof(sb) - 8)
+    want = cxl_fnv1a64(<const uint8_t*>&sb, _SUMMED)
     if sb.checksum != want:
         raise ChecksumError(f"{where}: superblock checksum 0x{sb.checksum:016x} does not match "
                             f"its contents (0x{want:016x}): the superblock is corrupt")

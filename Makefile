@@ -22,5 +22,5 @@ lint:
 	ruff check cxlrt backends emulation tests perf
 
 clean:
-	rm -rf build *.egg-info .benchmarks
+	rm -rf build *.egg-info .benchmarks cxlrt/layoutinfo_members.pxi
 	find cxlrt backends emulation -name '*.so' -o -name '*.c' -o -name '*.html' | xargs rm -f

@@ -16,6 +16,7 @@ Environment knobs (pip cannot pass build_ext flags through PEP 517 easily):
 A change of knob needs a full rebuild: `python setup.py build_ext --inplace --force`.
 """
 
+import importlib.util
 import os
 import sys
 
@@ -86,11 +87,26 @@ MODULES = [
 ]
 
 
+def _generate():
+    # layoutinfo.pyx includes member lists written from the struct declarations (the
+    # .pxd stays their one source). Loaded by path: importing the cxlrt package here
+    # would import its compiled modules, and PEP 517 builds do not put this folder on
+    # sys.path. Run on every build; an unchanged output is not rewritten, and a changed
+    # one is newer than layoutinfo.c, so cythonize below translates it again.
+    root = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "_layoutgen", os.path.join(root, "cxlrt", "_layoutgen.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.write(root)
+
+
 def _extensions():
     # Cython names a module after its path (backends/file.pyx -> backends.file),
     # which is also how it finds the module's own .pxd; the installed name is
     # cxlrt.backends.file. Cythonize by path, then install under the real name
     # (the init symbol, PyInit_file, depends only on the last component).
+    _generate()
     only = set(filter(None, os.environ.get("CXLRT_ONLY", "").split(",")))
     chosen = [(name, src) for name, src in MODULES if not only or name in only]
     exts = cythonize(

@@ -8,6 +8,7 @@ cost nothing to a run that draws no picture.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 MODE_STYLE = {  # mode key -> (colour, marker): the same in every picture
@@ -47,14 +48,7 @@ def _target(path: str | os.PathLike[str]) -> str:
     return path
 
 
-def demo_figure(report: dict[str, Any], path: str | os.PathLike[str]) -> str:
-    """Draw TTFT per turn for each mode of a demo report, with cxlrt's prefix hit
-    rate on a second axis, to ``path`` (a .png).
-
-    Parameters
-    ----------
-    report : dict
-        What :func:`cxlrt.demo.run` returns (``cxlrt demo --json``).
+_PNG_DOC = """
     path : str or path-like
         The PNG to write; its folder must exist.
 
@@ -63,8 +57,37 @@ def demo_figure(report: dict[str, Any], path: str | os.PathLike[str]) -> str:
     str
         The path written.
     """
-    path = _target(path)
-    plt = _pyplot()
+
+
+def _png(draw: Callable[[dict[str, Any], Any], Any]
+         ) -> Callable[[dict[str, Any], str | os.PathLike[str]], str]:
+    """A figure function ``f(data, path) -> path`` from ``draw(data, pyplot) -> figure``:
+    the path check, the file and closing the figure are the same for every picture.
+    ``draw``'s docstring ends in its data parameter; the path and return are added."""
+    def figure(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
+        path = _target(path)
+        plt = _pyplot()
+        fig = draw(data, plt)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+        plt.close(fig)
+        return path
+    # Not functools.wraps: its __wrapped__ would show draw's (data, pyplot) signature.
+    figure.__name__, figure.__qualname__ = draw.__name__, draw.__qualname__
+    figure.__doc__ = (draw.__doc__ or "").rstrip() + _PNG_DOC
+    return figure
+
+
+@_png
+def demo_figure(report: dict[str, Any], plt: Any) -> Any:
+    """Draw TTFT per turn for each mode of a demo report, with cxlrt's prefix hit
+    rate on a second axis, to ``path`` (a .png).
+
+    Parameters
+    ----------
+    report : dict
+        What :func:`cxlrt.demo.run` returns (``cxlrt demo --json``).
+    """
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
     turns_seen = 0
     for key, mode in report["modes"].items():
@@ -97,13 +120,11 @@ def demo_figure(report: dict[str, Any], path: str | os.PathLike[str]) -> str:
                  f"P={cfg['prefill']} D={cfg['decode']}"
                  + ("" if report["ok"] else "  (TOKENS DIFFER)"), fontsize=10)
     ax.legend(handles, labels, fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return path
+    return fig
 
 
-def info_figure(info: dict[str, Any], path: str | os.PathLike[str]) -> str:
+@_png
+def info_figure(info: dict[str, Any], plt: Any) -> Any:
     """Draw each KV cache of a region (``cxlrt info``): occupancy and pinned blocks
     against capacity, and the hit rate of its lookups, to ``path`` (a .png).
 
@@ -111,17 +132,8 @@ def info_figure(info: dict[str, Any], path: str | os.PathLike[str]) -> str:
     ----------
     info : dict
         What :func:`cxlrt.inspect` returns (``cxlrt info --json``).
-    path : str or path-like
-        The PNG to write; its folder must exist.
-
-    Returns
-    -------
-    str
-        The path written.
     """
-    path = _target(path)
     caches = [kv for kv in info.get("kv_caches", []) if "error" not in kv]
-    plt = _pyplot()
     fig, (occ, hits) = plt.subplots(1, 2, figsize=(9, 0.6 * max(len(caches), 1) + 2.4),
                                     dpi=110)
     names = [kv["name"] for kv in caches]
@@ -153,7 +165,4 @@ def info_figure(info: dict[str, Any], path: str | os.PathLike[str]) -> str:
     if caches:
         occ.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{info['spec']}: {len(caches)} KV cache(s)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return path
+    return fig

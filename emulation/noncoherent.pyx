@@ -387,16 +387,10 @@ cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:
     cxl_spin_ns(ns)
 
 
-cdef cxl_ops EMU_OPS
-EMU_OPS.load = emu_load
-EMU_OPS.store = emu_store
-EMU_OPS.load64 = emu_load64
-EMU_OPS.store64 = emu_store64
-EMU_OPS.flush = emu_flush
-EMU_OPS.flush_nodrain = emu_flush_nodrain
-EMU_OPS.fence = emu_fence
-EMU_OPS.dma_read = emu_dma_read
-EMU_OPS.dma_write = emu_dma_write
+cdef cxl_ops EMU_OPS = cxl_ops(
+    load=emu_load, store=emu_store, load64=emu_load64, store64=emu_store64, flush=emu_flush,
+    flush_nodrain=emu_flush_nodrain, fence=emu_fence, dma_read=emu_dma_read,
+    dma_write=emu_dma_write)
 
 
 cdef int _unbound_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
@@ -424,17 +418,15 @@ cdef int _unbound_fence(void* ctx) noexcept nogil:
 
 
 # Before bind() only DMA works: the superblock is read and written that way,
-# and the caches cannot be sized until the node count is known.
-cdef cxl_ops EMU_UNBOUND_OPS
+# and the caches cannot be sized until the node count is known. The DMA slots are
+# EMU_OPS's (they bypass the caches); every cached-view slot refuses.
+cdef cxl_ops EMU_UNBOUND_OPS = EMU_OPS
 EMU_UNBOUND_OPS.load = _unbound_load
 EMU_UNBOUND_OPS.store = _unbound_store
 EMU_UNBOUND_OPS.load64 = _unbound_load64
 EMU_UNBOUND_OPS.store64 = _unbound_store64
-EMU_UNBOUND_OPS.flush = _unbound_flush
-EMU_UNBOUND_OPS.flush_nodrain = _unbound_flush
+EMU_UNBOUND_OPS.flush = EMU_UNBOUND_OPS.flush_nodrain = _unbound_flush
 EMU_UNBOUND_OPS.fence = _unbound_fence
-EMU_UNBOUND_OPS.dma_read = emu_dma_read
-EMU_UNBOUND_OPS.dma_write = emu_dma_write
 
 
 _VIOLATIONS = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cxlrt
-from cxlrt import api, directory, fuzz, heapscan
+from cxlrt import _layoutgen, api, directory, fuzz, heapscan
 from cxlrt import layoutinfo as L
 from cxlrt import superblock as sb
 from cxlrt.alloc import class_geometry
@@ -108,6 +108,48 @@ def test_constants_are_layout_pxd():
     assert c["CXL_DIR_ENTRY"] == L.size("cxl_dir_entry")
     assert c["CXL_DIR_NAME"] == L.field("cxl_dir_entry", "name").width
     assert c["CXL_LOCK_NAME"] == L.field("cxl_lock_header", "name").width
+
+
+# --- cxlrt/_layoutgen.py: where layoutinfo's member names come from ---------------------
+
+
+def test_layoutinfo_lists_every_member_of_the_pxd():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cxlrt.__file__)))
+    declared = {name: members for _, path, strict in _layoutgen.SOURCES
+                for name, members in _layoutgen.structs(os.path.join(root, path), strict)}
+    assert {n: [f.name for f in L.fields(n)] for n in L.names()} == declared
+
+
+def _structs(tmp_path, text, strict=True):
+    path = tmp_path / "x.pxd"
+    path.write_text(text)
+    return _layoutgen.structs(str(path), strict)
+
+
+def test_layoutgen_reads_a_body_with_comments(tmp_path):
+    text = ("ctypedef struct a:  # a line\n"
+            "    uint64_t x                # one\n"
+            "# a comment in column 0\n"
+            "\n"
+            "    char name[40]\n"
+            "    cxl_section sections[8]\n"
+            "\n"
+            "cdef inline uint64_t f(): return 0\n")
+    assert _structs(tmp_path, text) == [("a", ["x", "name", "sections"])]
+
+
+@pytest.mark.parametrize("member, match", [
+    ("uint64_t x, y", "cannot read"),
+    ("const char* p", "is a pointer"),  # in a strict source (layout.pxd): on-media only
+])
+def test_layoutgen_refuses_what_it_cannot_list(tmp_path, member, match):
+    with pytest.raises(ValueError, match=match):
+        _structs(tmp_path, f"ctypedef struct a:\n    {member}\n")
+
+
+def test_layoutgen_leaves_out_process_memory_structs_where_not_strict(tmp_path):
+    text = "ctypedef struct job:\n    uint64_t slot\n    const char* key\n"
+    assert _structs(tmp_path, text, strict=False) == []
 
 
 # --- the structs against what the Cython writers put in a live region --------------------

@@ -82,8 +82,14 @@ cdef class MappedBackend(Backend):
         """Nothing per node: every node sees the mapped medium directly."""
 
     cpdef close(self):
-        if self.mapping is not None:
-            self.mapping.close()  # raises while views are alive; we stay open then
+        if self.mapping is not None and not self.mapping.closed:
+            if self.mapping._exports:
+                self.mapping.close()  # raises while views are alive; we stay open then
+            # Closed before the retire: code that reads words through base without the
+            # contract's checks (a lock waiter's window) and sees the retired zeros then
+            # also sees closed, and does not take zeros for a free lock.
+            self.reg.closed = 1
+            self.mapping.close()
         self.reg.closed = 1
         # base stays addressable (retired, anonymous) until the Mapping is freed.
 

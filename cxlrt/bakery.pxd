@@ -151,6 +151,8 @@ cdef inline int _acquire(cxl_lockctx* L, uint32_t id, const cxl_window* w, words
         if unlikely(L.armed[0]):
             cxl_crash_hit(b"lock.acquire.ticket")
         rc = _bakery_wait(L, rec, w, k, ticket, deadline)
+    if rc == 0 and unlikely(w.r.closed):  # what a plain window read may be retired zeros
+        rc = CXLRT_E_CLOSED
     if rc != 0:
         _withdraw(L, id, w, k)
         return rc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -236,6 +237,35 @@ def test_timeout_withdraws_cleanly(backend, mode):
     assert not la.locked()
     for r in (a, b, c):
         r.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_waiter_whose_region_closes_gives_up_with_a_clear_error(backend, mode):
+    """Close() while another thread of the process waits for a lock: the waiter must
+    not go on to "acquire" through a closed region (on a direct mapping its words no
+    longer check anything: the mapping is retired, and reads as zeros)."""
+    a = backend.create(nodes=2, lock_manager=(mode == "manager"))
+    b = backend.open(1)
+    la, lb = a.lock("w", mode=mode), b.lock("w")
+    assert la.acquire()
+    out = []
+
+    def wait():
+        try:
+            out.append(lb.acquire(timeout=20))
+        except Exception as e:  # what the waiter saw is the result
+            out.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not out  # it waits on a's hold
+    b.close()
+    t.join(10)
+    assert not t.is_alive(), "the waiter did not notice its region close"
+    assert len(out) == 1 and isinstance(out[0], cxlrt.RegionClosedError), out
+    la.release()
+    a.close()
 
 
 def test_lock_misuse_is_a_clear_error(backend):

@@ -2,7 +2,7 @@
 """Two-tier cross-node locks over the backend contract (see lock.pxd).
 
 Tier 1 is a robust process-shared mutex in node-local memory; tier 2 is either
-Lamport's bakery (bakery.pyx: loads and stores only, each node writing its own line)
+Lamport's bakery (bakery.pxd: loads and stores only, each node writing its own line)
 or a lock manager that grants round-robin by writing one grant line (lockmgr.pyx).
 This module holds the entry points that take both tiers, the recovery of a dead
 holder of our node, and the Python layer (LockService, Lock, the lock table).

@@ -21,8 +21,9 @@
 #  - A holder learns at release (LeaseLost) that it was silent past the lease at
 #    any time since it began to acquire; Lock.check() asks the same mid-hold.
 #
-# The algorithms live in bakery.pxd (inline, compiled into lock.pyx) and lockmgr.pyx, their shared context and
-# record addressing in lockctx.pxd; this module ties them to the node-local tier.
+# The algorithms live in bakery.pxd (inline, compiled into this module) and
+# lockmgr.pyx, their shared context and record addressing in lockctx.pxd; this
+# module ties them to the node-local tier.
 # Every name below stays cimportable from cxlrt.lock.
 from libc.stdint cimport uint32_t, uint64_t
 

@@ -206,7 +206,7 @@ cdef inline int cxl_publish(const cxl_region* r, uint64_t off, uint64_t n) noexc
 cdef inline int cxl_observe64(const cxl_region* r, uint64_t off, uint64_t* v) noexcept nogil:
     """Observe a word another node publishes: drop our copy of its line, then load.
     Pairs with the writer's persist (store, flush, fence) of the same line."""
-    cdef int rc = cxl_flush(r, off, 8)
+    cdef int rc = cxl_flush(r, off, sizeof(uint64_t))
     if likely(rc == 0):
         rc = cxl_load64(r, off, v)
     return rc

@@ -272,7 +272,7 @@ cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t
     rc = cxl_store64(C.r, line, counter[0] + 1)
     if rc == 0:
         # Publish (pairs with the other end's observe in _observe_tail/_observe_head).
-        rc = cxl_persist(C.r, line, 8)
+        rc = cxl_persist(C.r, line, sizeof(uint64_t))
     if rc != 0:
         return rc
     counter[0] += 1
@@ -347,7 +347,7 @@ cdef int _send_slow(cxl_chan* C) noexcept nogil:
         # never read (pairs with the consumer's observe of tail).
         rc = cxl_store64(C.r, C.p_line, C.tail + 1)
         if rc == 0:
-            rc = cxl_persist(C.r, C.p_line, 8)
+            rc = cxl_persist(C.r, C.p_line, sizeof(uint64_t))
         if rc != 0:
             return rc
         C.tail += 1
@@ -481,7 +481,7 @@ cdef int _skip_hole(cxl_chan* C) noexcept nogil:
     if rc == 0:
         rc = cxl_store64(C.r, C.c_line, C.head + 1)
     if rc == 0:
-        rc = cxl_persist(C.r, C.c_line, 8)  # publish head (pairs with _observe_head)
+        rc = cxl_persist(C.r, C.c_line, sizeof(uint64_t))  # publish head (pairs with _observe_head)
     if rc == 0:
         C.head += 1
         C.hole_at = NONE

@@ -731,7 +731,7 @@ cdef class KVCache:
             self.K.bad_slot = s
             self._raise(CXLRT_E_KVCORRUPT, "store")
         with nogil:
-            rc = cxl_dma_read(self.r, e.off + KV_PROGRESS, &v, 8)
+            rc = cxl_dma_read(self.r, e.off + KV_PROGRESS, &v, sizeof(v))
         self._io(rc, "store")
         now = cxl_now_ns()
         key = (s, kv_gen(e))
@@ -1503,7 +1503,7 @@ cdef class KVCache:
             if kv_state(&e) != KV_WRITING or kv_gen(&e) != jobs[i].gen or e.off != jobs[i].off:
                 jobs[i].lost = 1
                 continue
-            rc = cxl_dma_write(self.r, jobs[i].off + KV_PROGRESS, &prog, 8)
+            rc = cxl_dma_write(self.r, jobs[i].off + KV_PROGRESS, &prog, sizeof(prog))
             if rc != 0:
                 return rc
         return 0

@@ -184,7 +184,7 @@ cdef class PinTable:
                 cnt -= 1
             rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
             if rc == 0:
-                rc = cxl_flush_nodrain(self.r, at, 8)
+                rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
             if rc != 0:
                 break
             if delta > 0:
@@ -231,7 +231,7 @@ cdef class PinTable:
             if rc == 0 and (w & KV_PIN_MAX) != total:
                 rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | total)
                 if rc == 0:
-                    rc = cxl_flush_nodrain(self.r, at, 8)
+                    rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
             if rc != 0:
                 return rc
         return cxl_fence(self.r)
@@ -253,7 +253,7 @@ cdef class PinTable:
             c[s] = 0
             rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | cnt)
             if rc == 0:
-                rc = cxl_flush_nodrain(self.r, at, 8)
+                rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
             if rc != 0:
                 return rc
         self._head(k)[0] = 0

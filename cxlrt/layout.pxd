@@ -537,6 +537,21 @@ cdef inline uint64_t cxl_line_first_word(uint64_t k) noexcept nogil:
     return k & ~(<uint64_t>CXL_LINE_WORDS - 1)
 
 
+cdef inline uint64_t cxl_line_of(uint64_t off) noexcept nogil:
+    """The line that byte `off` is in."""
+    return off // CXL_LINE_SIZE
+
+
+cdef inline uint64_t cxl_line_start(uint64_t line) noexcept nogil:
+    """The offset of line `line`'s first byte."""
+    return line * CXL_LINE_SIZE
+
+
+cdef inline uint64_t cxl_line_pos(uint64_t off) noexcept nogil:
+    """Byte `off`'s position within its line."""
+    return off % CXL_LINE_SIZE
+
+
 cdef inline bint cxl_line_aligned(uint64_t x) noexcept nogil:
     """An offset on a line boundary."""
     return (x & (CXL_LINE_SIZE - 1)) == 0

@@ -22,7 +22,8 @@ from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_a
                                     cxl_plain_mutex_init, cxl_plain_mutex_lock,
                                     cxl_plain_mutex_unlock, cxl_sleep_ns, cxl_thread_join,
                                     cxl_thread_start)
-from cxlrt.layout cimport (CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED, CXL_NODE_NEVER)
+from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED,
+                           CXL_NODE_NEVER)
 from cxlrt.status cimport check_rc
 
 from cxlrt.errors import RegionError
@@ -197,7 +198,7 @@ cdef int _beat(cxl_live* V) noexcept nogil:
     if rc == 0:
         rc = cxl_store64(V.r, off + AREA_WALL, cxl_wall_ns())
     if rc == 0:
-        rc = cxl_persist(V.r, off, 64)  # pairs with cxl_node_state's observe
+        rc = cxl_persist(V.r, off, CXL_LINE_SIZE)  # pairs with cxl_node_state's observe
     return rc
 
 
@@ -319,7 +320,7 @@ cdef class Liveness:
                              (AREA_ATTACHES, (attaches + 1) & 0xFFFFFFFFFFFFFFFF),
                              (AREA_STATE, CXL_NODE_ATTACHED)):
             r.store64(off + field, value)
-        r.persist(off, 64)
+        r.persist(off, CXL_LINE_SIZE)
         with nogil:
             _beat_once(&self.V)  # alive from the first instant (and last_beat set)
         if self.V.beat_rc:
@@ -416,7 +417,7 @@ cdef class Liveness:
                 if not self.local.procs_list() and not self.V.fenced:
                     off = r.node_area(r.node)
                     r.store64(off + AREA_STATE, CXL_NODE_DETACHED)
-                    r.persist(off, 64)
+                    r.persist(off, CXL_LINE_SIZE)
         finally:
             self.local.close()
 

@@ -32,7 +32,7 @@ def store_flush_fence(Region region, uint64_t off, uint64_t iters):
         for i in range(1, iters + 1):
             rc = cxl_store64(r, off, i)
             if rc == 0:
-                rc = cxl_flush(r, off, 8)
+                rc = cxl_flush(r, off, sizeof(uint64_t))
             if rc == 0:
                 rc = cxl_fence(r)
             if rc != 0:
@@ -49,7 +49,7 @@ def load_after_flush(Region region, uint64_t off, uint64_t iters):
     cdef int rc = 0
     with nogil:
         for i in range(iters):
-            rc = cxl_flush(r, off, 8)
+            rc = cxl_flush(r, off, sizeof(uint64_t))
             if rc == 0:
                 rc = cxl_load64(r, off, &v)
             if rc != 0:

@@ -322,12 +322,12 @@ cdef class Region:
     def load64(self, uint64_t off):
         """Load an aligned 8-byte little-endian word through this node's view."""
         cdef uint64_t v = 0
-        self._rc(cxl_load64(self.r, off, &v), "load64", off, 8)
+        self._rc(cxl_load64(self.r, off, &v), "load64", off, sizeof(uint64_t))
         return v
 
     def store64(self, uint64_t off, uint64_t value):
         """Store an aligned 8-byte word into this node's view (publish with persist)."""
-        self._rc(cxl_store64(self.r, off, value), "store64", off, 8)
+        self._rc(cxl_store64(self.r, off, value), "store64", off, sizeof(uint64_t))
 
     def load(self, uint64_t off, uint64_t n):
         """Copy `n` bytes out of this node's view."""

@@ -22,6 +22,7 @@ from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_
 from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_atomic_store_seqcst_fence64
+from cxlrt.layout cimport CXL_LINE_SIZE, cxl_line_of, cxl_line_pos, cxl_line_start
 from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_UNSUPPORTED
 
@@ -75,10 +76,10 @@ cdef inline void _writeback(emu_ctx* c, uint64_t s, uint32_t w) noexcept nogil:
     """Copy a cached line to the medium, whole, and mark it clean. Set lock held."""
     cdef uint64_t i = s * c.ways + w
     cdef uint64_t line = (c.tags[i] >> 2) - 1
-    if unlikely(line >= (c.size >> 6)):
+    if unlikely(line >= cxl_line_of(c.size)):
         c.tags[i] = 0  # a scribbled tag names no line of ours: drop it, never write wild
         return
-    memcpy(c.medium + line * 64, c.data + i * 64, 64)
+    memcpy(c.medium + cxl_line_start(line), c.data + i * CXL_LINE_SIZE, CXL_LINE_SIZE)
     cxl_spin_ns(c.lat_ns)
     c.tags[i] = (c.tags[i] & ~(<uint64_t>EMU_STATE_MASK)) | EMU_CLEAN
 
@@ -98,7 +99,8 @@ cdef inline int _fill(emu_ctx* c, uint64_t s, uint64_t line) noexcept nogil:
         if (t[way] & EMU_STATE_MASK) == EMU_DIRTY:
             _writeback(c, s, way)
             c.st.capacity_wb += 1
-    memcpy(c.data + (s * c.ways + way) * 64, c.medium + line * 64, 64)
+    memcpy(c.data + (s * c.ways + way) * CXL_LINE_SIZE, c.medium + cxl_line_start(line),
+           CXL_LINE_SIZE)
     cxl_spin_ns(c.lat_ns)
     cxl_atomic_store_relaxed64(&t[way], ((line + 1) << 2) | EMU_CLEAN)
     c.st.misses += 1
@@ -135,7 +137,7 @@ cdef inline int _dirty_anywhere(emu_ctx* c, uint64_t line) noexcept nogil:
 cdef inline int _violation(emu_ctx* c, int kind, uint64_t line, int other) noexcept nogil:
     """Record a checker violation and return the status that reports it."""
     c.v_kind = kind
-    c.v_off = line * 64
+    c.v_off = cxl_line_start(line)
     c.v_other = other
     c.st.violations += 1
     return CXLRT_E_COHERENCE
@@ -196,9 +198,9 @@ cdef inline int _walk_line(emu_ctx* c, uint64_t off, uint64_t end, uint64_t* lin
     bytes [a, b) of it the walk covers, and its way in this node's cache, with set *s
     locked (the caller unlocks it). A miss fills the line from the medium (*hit False)."""
     cdef int w
-    line[0] = off >> 6
-    a[0] = off & 63
-    b[0] = 64 if (end - (line[0] << 6)) >= 64 else end - (line[0] << 6)
+    line[0] = cxl_line_of(off)
+    a[0] = cxl_line_pos(off)
+    b[0] = min(end - cxl_line_start(line[0]), <uint64_t>CXL_LINE_SIZE)
     s[0] = line[0] & (c.sets - 1)
     _set_lock(c, s[0])
     w = _find(c, s[0], line[0])
@@ -219,15 +221,15 @@ cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
     while off < end:
         w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
         hit_clean = hit and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
-        i = (s * c.ways + w) * 64
+        i = (s * c.ways + w) * CXL_LINE_SIZE
         if unlikely(c.check and hit_clean
-                    and memcmp(c.data + i + a, c.medium + (line << 6) + a, b - a) != 0):
+                    and memcmp(c.data + i + a, c.medium + cxl_line_start(line) + a, b - a) != 0):
             _set_unlock(c, s)
             return _violation(c, EMU_V_STALE_READ, line, -1)
         memcpy(out, c.data + i + a, b - a)
         _set_unlock(c, s)
         out += b - a
-        off = (line << 6) + b
+        off = cxl_line_start(line) + b
     _maybe_evict(c)
     return 0
 
@@ -244,7 +246,8 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
         w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
         if unlikely(c.check and hit
                     and (c.tags[s * c.ways + w] & EMU_STATE_MASK) == EMU_CLEAN
-                    and memcmp(c.data + (s * c.ways + w) * 64, c.medium + (line << 6), 64) != 0):
+                    and memcmp(c.data + (s * c.ways + w) * CXL_LINE_SIZE, c.medium + cxl_line_start(line),
+                                  CXL_LINE_SIZE) != 0):
             _set_unlock(c, s)
             return _violation(c, EMU_V_STORE_STALE, line, -1)
         i = s * c.ways + w
@@ -268,10 +271,10 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
             if other >= 0:
                 _set_unlock(c, s)
                 return _violation(c, EMU_V_DIRTY_TWO, line, other)
-        memcpy(c.data + i * 64 + a, inp, b - a)
+        memcpy(c.data + i * CXL_LINE_SIZE + a, inp, b - a)
         _set_unlock(c, s)
         inp += b - a
-        off = (line << 6) + b
+        off = cxl_line_start(line) + b
     _maybe_evict(c)
     return 0
 
@@ -287,14 +290,14 @@ cdef int emu_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
 
 
 cdef inline uint64_t _last_line(uint64_t off, uint64_t n) noexcept nogil:
-    """The last line of the n > 0 bytes at off (the first is off >> 6)."""
-    return (off + n - 1) >> 6
+    """The last line of the n > 0 bytes at off (the first is cxl_line_of(off))."""
+    return cxl_line_of(off + n - 1)
 
 
 cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflush: every line of the range is written back (if dirty) and dropped now."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line = off >> 6, last
+    cdef uint64_t line = cxl_line_of(off), last
     if n == 0:
         return 0
     last = _last_line(off, n)
@@ -309,7 +312,7 @@ cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
 cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflushopt: with `delay`, the write-back waits for the next fence."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t line = off >> 6, last
+    cdef uint64_t line = cxl_line_of(off), last
     if not c.delay:
         return emu_flush(ctx, off, n)
     if n == 0:
@@ -336,7 +339,7 @@ cdef int emu_fence(void* ctx) noexcept nogil:
 
 cdef int _dma_over_dirty(emu_ctx* c, uint64_t off, uint64_t n, int kind) noexcept nogil:
     """A DMA bypasses every node's cache: the checker flags a line some node holds dirty."""
-    cdef uint64_t line = off >> 6, last = _last_line(off, n)
+    cdef uint64_t line = cxl_line_of(off), last = _last_line(off, n)
     cdef int other
     while line <= last:
         other = _dirty_anywhere(c, line)

@@ -258,14 +258,18 @@ def test_a_waiter_whose_region_closes_gives_up_with_a_clear_error(backend, mode)
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.3)
-    assert t.is_alive() and not out  # it waits on a's hold
-    b.close()
-    t.join(10)
-    assert not t.is_alive(), "the waiter did not notice its region close"
-    assert len(out) == 1 and isinstance(out[0], cxlrt.RegionClosedError), out
-    la.release()
-    a.close()
+    try:
+        time.sleep(0.3)
+        assert t.is_alive() and not out  # it waits on a's hold
+        b.close()
+        t.join(10)
+        assert not t.is_alive(), "the waiter did not notice its region close"
+        assert len(out) == 1 and isinstance(out[0], cxlrt.RegionClosedError), out
+    finally:
+        la.release()
+        t.join(30)
+        b.close()
+        a.close()
 
 
 def test_lock_misuse_is_a_clear_error(backend):

@@ -78,6 +78,7 @@ MODULES = [
     ("cxlrt.kvpins", "cxlrt/kvpins.pyx"),
     ("cxlrt.kvindex", "cxlrt/kvindex.pyx"),
     ("cxlrt.kvevict", "cxlrt/kvevict.pyx"),
+    ("cxlrt.kvclaim", "cxlrt/kvclaim.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),

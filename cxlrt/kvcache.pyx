@@ -1,90 +1,17 @@
 # Prefix KV cache (TraCT's rack-wide prefix cache): lookups and pins without the
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
 # blocks. Layout and invariants: kvcache.pxd. This file is the Python API and the
-# judging of writers; the C index is kvindex.pyx, the eviction pass kvevict.pyx,
-# pins kvpins.pyx, read-only inspection kvinspect.py.
-"""The prefix KV cache, and how it survives crashes and stalls of its writers.
+# store's reserve, copy and publish; kvclaim.pyx judges writers and settles
+# records, kvindex.pyx is the C index, kvevict.pyx the eviction pass, kvpins.pyx
+# the pins, kvinspect.py read-only inspection.
+"""The prefix KV cache.
 
-Claims and epochs
-    store() claims a slot under the cache lock: it writes the slot's claim line
-    (kvcache.pxd ``kv_claim``: node, pid, the node's incarnation, the process's
-    start time, a hash of its boot id and pid namespace, the payload, and the
-    epoch) and then the entry, WRITING at a new generation. The generation is
-    the epoch: a takeover buries the entry (tombstone, generation + 1), so the
-    writer, which re-reads its entry every tick while it copies and once more
-    under the lock before it publishes, sees that the claim is gone and stops
-    with :class:`ClaimLost` instead of publishing.
-
-Progress and takeover
-    While it copies (outside the lock) the writer's only shared word is the
-    progress word of its own payload header (KV_PROGRESS); it advances it every
-    lease / 8 of its own monotonic clock, between chunks of KV_COPY_CHUNK bytes,
-    while it waits for the lock to publish, and before publishing. Any node that
-    holds the cache lock and meets a WRITING entry (storing the same key, or
-    evicting) judges its claim:
-      - the claim is ours: keep it;
-      - the writer shares our boot and pid namespace and its process is gone
-        (pid and start time): take it now, and free the payload;
-      - its node is detached: take it now, and free the payload;
-      - otherwise, if the progress word has not changed for a whole lease on
-        the judge's own monotonic clock since the judge first looked, take it
-        over, and quarantine the payload. Clocks of two hosts are never
-        compared. A dead writer whose node stays alive is reclaimed by any node:
-        at once where its process can be looked up, within a lease of the first
-        look elsewhere.
-
-Quarantine
-    A payload taken from a writer that may still run stays allocated, named by a
-    KV_REC_QUARANTINE record, so a resumed writer can only scribble into memory
-    no reader looks at. It goes back to the allocator when the writer is known
-    to have stopped:
-      - at once when the writer itself resumes and learns it lost the claim
-        (it gives the payload back under the lock, then raises ClaimLost);
-      - at once when a process sharing the writer's boot and pid namespace sees
-        the writer's process gone (while it sees it alive, even stopped, the
-        payload stays quarantined), or the writer's node is detached;
-      - for a writer nobody here can look up (another host): after
-        KV_QUARANTINE_LEASES (8) leases during which the writer's node was
-        continuously dead or in another incarnation, timed on the releasing
-        node's own monotonic clock from its first look (a crashed host must not
-        hold memory forever). A writer on a live node that stalls forever keeps
-        its payload until it resumes or its process is seen gone.
-    The quarantine is never shorter than a lease (the takeover itself needs a
-    lease of standstill). What is not covered: a whole host that stalls inside
-    one chunk copy for longer than lease + 8 leases, and then resumes; it writes
-    at most the rest of that chunk (KV_COPY_CHUNK bytes) before its next check.
-
-Pins of a node that is gone
-    A node's pin words are written only by that node, so only it gives its pins
-    back (at close, and for its dead processes at its next attach, pin or
-    eviction). Eviction and delete therefore count a node's pins only while the
-    liveness module judges the node alive: a non-zero pin word of a node that is
-    detached, never attached, or dead (its counter still for a lease on our
-    clock) is void. The node state is read in that slow path only, and only for
-    non-zero pin words; lookups and pins are unchanged. A payload evicted despite
-    void pins is not freed: a record (KV_REC_TAKE, then KV_REC_QUARANTINE, its
-    `where` KV_PIN_WHERE and its `start` the mask of those nodes) keeps it until
-    each of them is detached or never attached, or alive again with no pin on
-    the slot (its hits of the payload are released), or dead for
-    KV_QUARANTINE_LEASES leases from our first look. Its header is zeroed just
-    before it is freed, so a stalled reader that resumes and loads its old hit
-    fails the header check (LeaseLost: the entry moved on) whatever the memory
-    holds by then. When the node attaches the cache again, its PinTable gives
-    back its dead processes' records (or clears its pin words: a fresh table),
-    so the old pins are not counted twice; a resumed process's own stale pin on
-    a reused slot holds the new block until it releases its hit (too many pins,
-    never too few).
-
-Records
-    Every payload leaves an entry through a record written before the entry's
-    tombstone (KV_REC_EVICT: free it; KV_REC_TAKE: quarantine it). The next lock
-    holder finishes a record whose entry moved on and drops one whose entry did
-    not, so a crash anywhere in an eviction or takeover neither leaks nor frees
-    twice. The record is cleared just before free() is called: a crash in that
-    window leaks one payload, it never frees one twice. A free() that fails (an
-    owner's full remote-free queue) leaves a KV_REC_DEFERRED record, retried by
-    every later store() and recover(): no exception leaves an eviction between
-    the tombstone and the free.
+Stores
+    store() claims its slots under the cache lock (a claim line, then the entry
+    WRITING at a new generation), copies the payloads with no lock held while it
+    advances their progress words, and publishes them under the lock. How other
+    nodes judge a writer that stalls or dies, and how its payloads go back to
+    the allocator after any crash: :mod:`cxlrt.kvclaim`.
 
 Loads
     A load checks the payload header (key, generation, geometry) before and
@@ -104,57 +31,44 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
                             cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
-                            cxl_flush_nodrain, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
-                            cxl_persist, cxl_region, cxl_store)
+                            cxl_flush_nodrain, cxl_load, cxl_observe, cxl_observe64, cxl_region,
+                            cxl_store)
 from cxlrt.alloc cimport Allocator, cxl_alloc
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport (cxl_backoff, cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns,
-                                    unlikely)
-from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, CXLRT_TEST_HOOK, cxl_fnv1a64
+from cxlrt.includes.intrin cimport cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns, unlikely
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, cxl_fnv1a64
+from cxlrt.kvclaim cimport Claims, kv_raise
 from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready, kv_scan, kv_sweep
-from cxlrt.kvindex cimport (KV_PIN_WHERE, kv_add_occupancy, kv_bury, kv_claim_at, kv_cnode,
-                            kv_complete, kv_cpid, kv_entry_at, kv_fenced, kv_free_payload, kv_gen,
-                            kv_get, kv_get_counters, kv_give_back, kv_holds, kv_index, kv_kind,
-                            kv_line_ok, kv_meta, kv_mix, kv_owner, kv_owner_node, kv_owner_pid,
-                            kv_payload_ok, kv_pin_at, kv_probe, kv_put, kv_read, kv_rec_alloc,
-                            kv_rec_clear, kv_rec_put, kv_rec_top, kv_record_at, kv_retag,
-                            kv_same_key, kv_set_counters, kv_set_key, kv_state, kv_stats_at,
-                            kv_tag, kv_write, kv_zero)
+from cxlrt.kvindex cimport (kv_add_occupancy, kv_claim_at, kv_cnode, kv_cpid, kv_entry_at,
+                            kv_gen, kv_get, kv_get_counters, kv_index, kv_kind, kv_line_ok,
+                            kv_meta, kv_mix, kv_owner_node, kv_owner_pid, kv_payload_ok,
+                            kv_probe, kv_put, kv_read, kv_set_counters, kv_set_key, kv_state,
+                            kv_stats_at, kv_write, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
-from cxlrt.liveness cimport (CXL_LIVE_ALIVE, CXL_LIVE_DEAD, CXL_LIVE_DETACHED,
-                             CXL_LIVE_MAX_NODES, CXL_LIVE_NEVER, cxl_live_silent_since,
-                             cxl_node_state)
-from cxlrt.layout cimport (cxl_node_area, kv_counters, kv_geometry, kv_header, kv_layout,
-                           kv_payload_header)
+from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_layout, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
-from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_FENCED, CXLRT_E_KVCORRUPT, CXLRT_E_KVNOREC,
-                           CXLRT_E_KVPINS, CXLRT_E_NOMEM)
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_NOMEM
 
 
 import hashlib
 import os
 import time
 
-from cxlrt.errors import (ClaimLost, DebugBuildRequired, InvalidFreeError, LeaseLost, OutOfMemory,
-                          RegionError, SchemeMismatchError)
+from cxlrt.errors import (ClaimLost, DebugBuildRequired, LeaseLost, OutOfMemory, RegionError,
+                          SchemeMismatchError)
 from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
-from cxlrt.liveness import boot_id, pid_namespace, process_alive, process_start
 
 cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01" (the version word says the format)
 cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
 cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
-# A record's `where` for a payload evicted despite void pins: no writer, the nodes
-# that pinned it (mask in `start`). A _where_hash() never equals it by chance.
 cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef kv_entry _proto
 # offsetof by address difference (Cython has no offsetof): the header lines and the
 # payload header fields that are written one at a time.
 cdef kv_header _kh
-cdef cxl_node_area _na
 cdef kv_stats _ks
-cdef uint64_t NODE_INCARNATION = <char*>&_na.incarnation - <char*>&_na
 if (sizeof(kv_stats) != KV_ST_WORDS * sizeof(uint64_t)
         or <char*>&_ks.evictions - <char*>&_ks != KV_ST_EVICTIONS * sizeof(uint64_t)
         or <char*>&_ks.bytes_loaded - <char*>&_ks != KV_ST_BYTES_LOADED * sizeof(uint64_t)):
@@ -189,22 +103,6 @@ QUARANTINE_LEASES = KV_QUARANTINE_LEASES
 COPY_CHUNK = KV_COPY_CHUNK
 
 
-_WHERE = [0, 0]  # [pid, hash of (boot id, pid namespace)] for this process
-
-
-def _where_hash():
-    """64-bit name of this process's boot and pid namespace: a writer whose claim
-    carries ours can be looked up by pid from here."""
-    pid = os.getpid()
-    if _WHERE[0] != pid:
-        raw = boot_id() + pid_namespace().to_bytes(8, "little")
-        _WHERE[1] = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") or 1
-        _WHERE[0] = pid
-    return _WHERE[1]
-
-
-# --- lines ----------------------------------------------------------------------------
-
 # --- the cache ----------------------------------------------------------------------
 
 cdef class KVCache:
@@ -236,13 +134,9 @@ cdef class KVCache:
     cdef kv_index K                      # what the C layer (kvindex, kvevict) works on
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
-    cdef bint _foreign                   # test hook (debug builds): writers on unseen hosts
-    cdef uint64_t _lease_ns, _tick_ns
+    cdef Claims _claims                  # its writers' claims and the records (kvclaim.pyx)
+    cdef uint64_t _tick_ns
     cdef uint64_t _progress              # our writers' progress counter (any change counts)
-    cdef uint64_t _id_tag, _id_inc, _id_start, _id_where  # this process as a claim names it
-    cdef int _id_pid
-    cdef dict _seen                      # (slot, epoch) -> (progress, our ns when it last moved)
-    cdef dict _doomed                    # (record, off, epoch) -> our ns since its node is gone
     cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
     cdef int _pend_pid                   # the process they belong to
     cdef list _orphans                   # slot arrays of hits dropped unreleased (bytes)
@@ -277,10 +171,9 @@ cdef class KVCache:
         self.K.node = region.node
         self.K.heap_lo, heap_len = region.heap
         self.K.heap_hi = self.K.heap_lo + heap_len
-        self._lease_ns = <uint64_t>region.lease_ms * 1000000
-        self._tick_ns = max(self._lease_ns // 8, 1000000)
-        self._seen = {}
-        self._doomed = {}
+        self._tick_ns = max(<uint64_t>region.lease_ms * 1000000 // 8, 1000000)
+        self._claims = Claims(region, name)
+        self._claims.K = &self.K
         self._orphans = []
         self._orphans_pid = cxl_pid()
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
@@ -489,265 +382,12 @@ cdef class KVCache:
         self._io(kv_get_counters(&self.K, &w), "counters")
         return w.occupancy
 
-    def _add_occupancy(self, long long d, long long nbytes):
-        self._io(kv_add_occupancy(&self.K, d, nbytes), "counters")
-
     def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
         cdef kv_counters w
         self._io(kv_get_counters(&self.K, &w), "counters")
         w.occupancy = occ
         w.payload_bytes = nbytes
         self._io(kv_set_counters(&self.K, &w), "counters")
-
-    # --- identity -----------------------------------------------------------------------
-
-    cdef int _ident(self) except -1:
-        """This process as a claim names it (recomputed after a fork)."""
-        cdef int pid = os.getpid()
-        if self._id_pid == pid:
-            return 0
-        live = self.region.liveness
-        self._id_tag = kv_tag(0, self.K.node, <uint64_t>pid)
-        self._id_inc = live.incarnation if live is not None else 0
-        self._id_start = process_start(pid)
-        self._id_where = _where_hash()
-        self._id_pid = pid
-        return 0
-
-    cdef bint _is_me(self, const kv_claim* c) noexcept:
-        return (kv_retag(c.tag, 0) == self._id_tag and c.start == self._id_start
-                and c.where == self._id_where)
-
-    cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff:
-        """Node `node`'s current incarnation (its area's word 2)."""
-        cdef uint64_t at = self.region.node_area(node) + NODE_INCARNATION, v = 0
-        cdef int rc = cxl_observe64(self.r, at, &v)
-        self._io(rc, "node area")
-        return v
-
-    # --- records (cache lock held) ----------------------------------------------------------
-
-    # Each step is a `noexcept nogil` function returning a status, so that an eviction
-    # batch runs under one release of the GIL; the `except -1` wrappers below it raise
-    # for the Python-level paths (takeovers, settle, delete).
-
-    cdef uint64_t _rec_top(self) except? 0xffffffffffffffff:
-        cdef uint64_t top = 0
-        self._io(kv_rec_top(&self.K, &top), "records")
-        return top
-
-    cdef int _rec_get(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(kv_get(&self.K, kv_record_at(&self.K, i), c), "records")
-
-    cdef int _rec_alloc(self) except -2:
-        cdef long long i = -1
-        self._io(kv_rec_alloc(&self.K, &i), "records")
-        return <int>i
-
-    cdef int _rec_put(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(kv_rec_put(&self.K, i, c), "records")
-
-    cdef int _rec_clear(self, uint64_t i) except -1:
-        return self._io(kv_rec_clear(&self.K, i), "records")
-
-    cdef int _free_payload(self, uint64_t off) except -1:
-        return self._io(kv_free_payload(&self.K, off), "free")
-
-    cdef int _give_back(self, uint64_t i, uint64_t off) except -1:
-        return self._io(kv_give_back(&self.K, i, off), "records")
-
-    cdef int _complete(self, uint64_t i, kv_claim* c) except -1:
-        return self._io(kv_complete(&self.K, i, c), "records")
-
-    cdef int _bury(self, uint64_t s, kv_entry* e, uint32_t kind, const kv_claim* who,
-                   str what) except -1:
-        """_bury_c for one entry, with its occupancy: 1 when buried, 0 when no record
-        line is free (nothing changed)."""
-        cdef int rc, buried = 0
-        with nogil:
-            rc = kv_bury(&self.K, s, e, kind, who, &buried)
-        self._io(rc, what)
-        if buried:
-            self._add_occupancy(-1, -<long long>self.block_bytes)
-        return buried
-
-    cdef int _settle(self) except -1:
-        """Finish what the records describe (cache lock held): drop an eviction or
-        takeover whose tombstone never came, finish one whose entry moved on,
-        release quarantines whose writer has stopped, retry deferred frees."""
-        cdef kv_claim c
-        cdef kv_entry e
-        cdef uint64_t i
-        cdef uint32_t kind
-        cdef int rc
-        for i in range(self._rec_top()):
-            self._rec_get(i, &c)
-            if kv_zero(&c):
-                continue
-            kind = kv_kind(&c)
-            if not kv_line_ok(&c) or kind < KV_REC_EVICT or kind > KV_REC_DEFERRED:
-                self._rec_clear(i)  # torn by a crash mid-write: forget it (may leak one)
-                continue
-            if kind == KV_REC_EVICT or kind == KV_REC_TAKE:
-                if c.slot >= self.slots:
-                    self._rec_clear(i)
-                    continue
-                with nogil:
-                    rc = kv_read(&self.K, c.slot, &e)
-                self._io(rc, "records")
-                if kv_gen(&e) == c.epoch and e.off == c.off and kv_holds(&e):
-                    self._rec_clear(i)  # the tombstone never came: the entry still holds it
-                else:
-                    self._complete(i, &c)
-                    self._add_occupancy(-1, -<long long>self.block_bytes)
-            elif kind == KV_REC_QUARANTINE:
-                if self._released(i, &c):
-                    if c.where == KV_PIN_WHERE:
-                        self._wipe_header(c.off)
-                    self._give_back(i, c.off)
-            else:
-                self._give_back(i, c.off)
-        return 0
-
-    cdef bint _released(self, uint64_t i, const kv_claim* c) except -1:
-        """Whether a quarantined payload's writer is known to have stopped (module
-        docstring, "Quarantine")."""
-        cdef uint32_t node = kv_cnode(c)
-        cdef int st
-        cdef uint64_t now
-        key = (i, c.off, c.epoch)
-        if node >= self.K.nodes:
-            return True
-        if c.where == KV_PIN_WHERE:
-            return self._pins_released(key, c)
-        if c.where == _where_hash() and not CXLRT_TEST_HOOK(self._foreign):  # its process decides
-            if process_alive(kv_cpid(c), c.start):
-                return False  # alive, maybe stopped: it may resume, so it keeps the memory
-            self._doomed.pop(key, None)
-            return True
-        with nogil:
-            st = cxl_node_state(self.L.live, node)
-        if st == CXL_LIVE_DETACHED or st == CXL_LIVE_NEVER:
-            self._doomed.pop(key, None)
-            return True
-        if st == CXL_LIVE_DEAD or self._node_inc(node) != c.inc:
-            return self._dead_long_enough(key)
-        self._doomed.pop(key, None)
-        return False
-
-    cdef bint _pins_released(self, object key, const kv_claim* c) except -1:
-        """Whether no node whose void pins let payload `c` go can still read it through
-        a hit: each is detached or never attached; or alive with no pin left on the
-        slot (its hits of the payload are released; a later pin there is on another
-        payload); or, for those still dead, dead on our clock for KV_QUARANTINE_LEASES
-        leases from our first look (a dead host must not hold memory for ever; a
-        stalled one that resumes then fails its load's header check)."""
-        cdef uint64_t mask = c.start, w = 0, at, now
-        cdef uint32_t j
-        cdef int st, rc
-        cdef bint dead = False
-        for j in range(min(self.K.nodes, <uint64_t>CXL_LIVE_MAX_NODES)):
-            if not (mask >> j) & 1:
-                continue
-            with nogil:
-                st = cxl_node_state(self.L.live, j)
-            if st == CXL_LIVE_DETACHED or st == CXL_LIVE_NEVER:
-                continue
-            if st == CXL_LIVE_ALIVE:
-                if c.slot < self.slots:
-                    at = kv_pin_at(&self.K, j, c.slot)
-                    with nogil:
-                        rc = cxl_observe64(self.r, at, &w)
-                    self._io(rc, "records")
-                    if w & KV_PIN_MAX:
-                        self._doomed.pop(key, None)  # back and pinning: not dead throughout
-                        return False
-                continue
-            dead = True
-        if not dead:
-            self._doomed.pop(key, None)
-            return True
-        return self._dead_long_enough(key)
-
-    def _dead_long_enough(self, key):
-        """True once `key`'s owner has been judged dead for KV_QUARANTINE_LEASES leases,
-        timed from our first look (our clock: a resumed stall may still write until then)."""
-        now = cxl_now_ns()
-        if len(self._doomed) > 4 * self.K.nrec:
-            self._doomed.clear()
-        since = self._doomed.setdefault(key, now)
-        if now - <uint64_t>since >= KV_QUARANTINE_LEASES * self._lease_ns:
-            self._doomed.pop(key, None)
-            return True
-        return False
-
-    cdef int _wipe_header(self, uint64_t off) except -1:
-        """Zero a quarantined payload's header before it is freed: a stale hit's load
-        that checks it after this fails, whatever the memory is reused for."""
-        cdef kv_payload_header h
-        cdef int rc
-        if kv_fenced(&self.K):
-            self._raise(CXLRT_E_FENCED, "free")
-        if off % 64 or off < self.K.heap_lo or off + KV_PAYLOAD_HDR > self.K.heap_hi:
-            return 0  # not a payload offset (a corrupt record): nothing to wipe
-        memset(&h, 0, sizeof(h))
-        with nogil:
-            rc = cxl_dma_write(self.r, off, &h, sizeof(h))
-        return self._io(rc, "free")
-
-    # --- judging a writer ------------------------------------------------------------------
-
-    cdef int _claim_of(self, uint64_t s, const kv_entry* e, kv_claim* c) except -1:
-        """Entry s's claim line if it is the claim of this entry (1); else (0) a claim
-        made up from the entry's owner word, whose identity nobody can check."""
-        self._io(kv_get(&self.K, kv_claim_at(&self.K, s), c), "claims")
-        if (kv_line_ok(c) and kv_kind(c) == KV_REC_CLAIM and c.epoch == kv_gen(e)
-                and c.off == e.off and c.slot == s):
-            return 1
-        memset(c, 0, sizeof(kv_claim))
-        c.tag = kv_tag(KV_REC_CLAIM, kv_owner_node(e.owner), kv_owner_pid(e.owner))
-        c.off = e.off
-        c.epoch = kv_gen(e)
-        c.slot = s
-        return 0
-
-    cdef int _judge(self, uint64_t s, kv_entry* e, kv_claim* c) except -1:
-        """Decide a WRITING entry's claim (cache lock held): 0 keep it, 1 take it over
-        and quarantine its payload, 2 take it over and free its payload (its writer
-        certainly stopped). `c` receives the claim."""
-        cdef uint64_t v = 0, now
-        cdef int st, rc
-        if self._claim_of(s, e, c):
-            if self._is_me(c):
-                return 0  # ours: this process is alive and knows what it writes
-            if (not CXLRT_TEST_HOOK(self._foreign) and c.where == self._id_where
-                    and not process_alive(kv_cpid(c), c.start)):
-                return 2
-            with nogil:
-                st = cxl_node_state(self.L.live, kv_cnode(c))
-            if st == CXL_LIVE_DETACHED:
-                return 2
-        if not kv_payload_ok(&self.K, e):
-            self.K.bad_slot = s
-            self._raise(CXLRT_E_KVCORRUPT, "store")
-        with nogil:
-            rc = cxl_dma_read(self.r, e.off + KV_PROGRESS, &v, sizeof(v))
-        self._io(rc, "store")
-        now = cxl_now_ns()
-        key = (s, kv_gen(e))
-        seen = self._seen.get(key)
-        if seen is None or seen[0] != v:
-            if len(self._seen) > 2 * self.slots + 64:
-                self._seen.clear()
-            self._seen[key] = (v, now)  # first look, or it moved: a lease from now
-            return 0
-        return 1 if now - <uint64_t>seen[1] >= self._lease_ns else 0
-
-    cdef uint32_t _take_kind(self, int verdict) noexcept:
-        """How a taken-over payload leaves: quarantined unless its writer surely stopped."""
-        if verdict == 1 and not CXLRT_TEST_HOOK(self.K.no_quarantine):
-            return KV_REC_TAKE
-        return KV_REC_EVICT
 
     # --- pins ------------------------------------------------------------------------------
 
@@ -763,10 +403,10 @@ cdef class KVCache:
         """
         self._need_open()
         n = self._pt.recover()
-        self._ident()
+        self._claims.ident()
         self._hold(None)
         try:
-            self._settle()
+            self._claims.settle()
         finally:
             self._release_quietly()
         return n
@@ -801,19 +441,7 @@ cdef class KVCache:
         return rc
 
     cdef int _raise(self, int rc, str what) except -1:
-        """Raise what status `rc` means (status.pyx), told with what this cache knows."""
-        where = f"KV cache {self.name!r}: {what}"
-        detail = None
-        if rc == CXLRT_E_FENCED:
-            detail = (f"this process was silent for longer than the "
-                      f"{self.region.lease_ms / 1000.0:g} s lease while it held the cache lock; "
-                      "another node may hold it now, so nothing more was written")
-        elif rc == CXLRT_E_KVCORRUPT:
-            detail = (f"slot {self.K.bad_slot} holds an entry or payload that cannot be right "
-                      "(corrupt region; run `cxlrt check`)")
-        elif rc == CXLRT_E_KVPINS:
-            detail = f"this node holds {KV_PIN_MAX} pins on one block; release hits"
-        return self.region._rc(rc, where, 0, 0, detail)
+        return kv_raise(self.region, self.name, &self.K, rc, what)
 
     cdef uint64_t _alloc_payload(self) except? 0:
         """A payload chunk for one block (cache lock held), or 0 when the heap has
@@ -1187,10 +815,10 @@ cdef class KVCache:
         cdef list reserved = []          # (slot, gen, off, index)
         cdef uint64_t st[KV_ST_WORDS]
         memset(st, 0, sizeof(st))
-        self._ident()
+        self._claims.ident()
         self._hold(None)
         try:
-            self._settle()
+            self._claims.settle()
             for j in range(n):
                 got = self._reserve(ks, j)
                 if got is None:
@@ -1330,8 +958,8 @@ cdef class KVCache:
         if rc == 1:
             if kv_state(&e) != KV_WRITING:
                 return None  # present: exactly one copy wins
-            verdict = self._judge(s, &e, &c)
-            if verdict == 0 or not self._bury(s, &e, self._take_kind(verdict), &c, "store"):
+            verdict = self._claims.judge(s, &e, &c)
+            if verdict == 0 or not self._claims.bury(s, &e, self._claims.take_kind(verdict), &c, "store"):
                 return None  # being written by a writer that may still finish
             with nogil:
                 rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
@@ -1387,20 +1015,12 @@ cdef class KVCache:
                   and old.slot == s and old.off != 0 and old.off != off)
         # The claim first, on its own line: who writes this slot's payload, in which
         # life of its node, at which epoch.
-        memset(&c, 0, sizeof(c))
-        c.tag = self._id_tag | KV_REC_CLAIM
-        c.off = off
-        c.epoch = gen
-        c.slot = s
-        c.inc = self._id_inc
-        c.start = self._id_start
-        c.where = self._id_where
-        c.check = kv_mix(&c)
+        self._claims.fill(&c, s, gen, off)
         kv_set_key(&e, kp)
         e.meta = kv_meta(gen, KV_WRITING)
         e.off = off
         e.len = KV_PAYLOAD_HDR + self.block_bytes
-        e.owner = kv_owner(self.K.node, <uint64_t>self._id_pid)
+        e.owner = self._claims.id_owner
         e.stamp_ns = cxl_wall_ns()
         CXL_ASSERT(kv_payload_ok(&self.K, &e), b"reserved payload outside the heap or misaligned")
         with nogil:
@@ -1416,7 +1036,7 @@ cdef class KVCache:
             rc = kv_add_occupancy(&self.K, 1, <long long>self.block_bytes)
         self._io(rc, "store")
         if orphan:  # our claim line replaced it first: a crash now leaks it, never frees twice
-            self._free_payload(old.off)
+            self._claims.free_payload(old.off)
         return (s, gen, off)
 
     def _copy(self, list reserved, list ks, list srcs):
@@ -1461,7 +1081,7 @@ cdef class KVCache:
             h.block_bytes = bb
             h.cache = self.offset
             h.progress = prog
-            h.writer = kv_owner(self.K.node, <uint64_t>self._id_pid)
+            h.writer = self._claims.id_owner
             rc = cxl_dma_write(self.r, jobs[i].off, &h, sizeof(h))
             if rc != 0:
                 return rc
@@ -1527,11 +1147,11 @@ cdef class KVCache:
                 continue
             if kv_state(&e) != KV_WRITING or kv_gen(&e) != gen or e.off != off:
                 lost.append(j)  # taken over: our epoch is over, we publish nothing
-                self._ack(off, gen)
+                self._claims.ack(off, gen)
                 continue
             if not ok:
-                if not self._bury(s, &e, KV_REC_EVICT, NULL, "store"):
-                    self._bury_unrecorded(s, &e)
+                if not self._claims.bury(s, &e, KV_REC_EVICT, NULL, "store"):
+                    self._claims.bury_unrecorded(s, &e)
                 continue
             if unlikely(_armed[0]):
                 cxl_crash_hit(b"kv.store.publish")
@@ -1543,38 +1163,6 @@ cdef class KVCache:
             self._io(rc, "store")
             published.append(j)
         return published, lost
-
-    cdef int _ack(self, uint64_t off, uint64_t gen) except -1:
-        """We stopped writing a payload another node took from us: give it back.
-        Only if a record still names it (else it was released and may be reused);
-        never one kept for void pins (readers, not a writer, may still use it)."""
-        cdef kv_claim c
-        cdef uint64_t i
-        cdef uint32_t kind
-        for i in range(self._rec_top()):
-            self._rec_get(i, &c)
-            kind = kv_kind(&c)
-            if (kv_line_ok(&c) and (kind == KV_REC_QUARANTINE or kind == KV_REC_TAKE)
-                    and c.off == off and c.epoch == gen and c.where != KV_PIN_WHERE):
-                if kind == KV_REC_TAKE:
-                    self._add_occupancy(-1, -<long long>self.block_bytes)
-                return self._give_back(i, off)
-        return 0
-
-    cdef int _bury_unrecorded(self, uint64_t s, kv_entry* e) except -1:
-        """Our own claim, when no record line is free: tombstone, then free (a crash
-        between the two leaks this payload)."""
-        cdef uint64_t off = e.off
-        cdef int rc
-        kv_set_key(e, NULL)
-        e.meta = kv_meta(kv_gen(e) + 1, KV_TOMBSTONE)
-        e.off = e.len = e.owner = 0
-        with nogil:
-            rc = kv_write(&self.K, s, e)
-        self._io(rc, "store")
-        self._free_payload(off)
-        self._add_occupancy(-1, -<long long>self.block_bytes)
-        return 0
 
     # --- occupancy and eviction ----------------------------------------------------------
 
@@ -1636,7 +1224,7 @@ cdef class KVCache:
                     rc = kv_read(&self.K, s, &e)
                 self._io(rc, "evict")
                 if kv_state(&e) == KV_WRITING:
-                    verdict = self._judge(s, &e, &c)
+                    verdict = self._claims.judge(s, &e, &c)
                     if verdict:
                         gone.append((s, verdict))
             for s, verdict in gone:
@@ -1673,18 +1261,18 @@ cdef class KVCache:
                 self._pending()[KV_ST_EVICTIONS] += 1
             self._io(rc, "evict")
             if freed:
-                self._add_occupancy(-1, -<long long>self.block_bytes)
+                self._claims.shrink()
             return freed
         with nogil:
             rc = kv_read(&self.K, s, &e)
         self._io(rc, "evict")
         if kv_state(&e) != KV_WRITING:
             return False
-        self._claim_of(s, &e, &c)
+        self._claims.claim_of(s, &e, &c)
         if not kv_payload_ok(&self.K, &e):
             self.K.bad_slot = s
             self._raise(CXLRT_E_KVCORRUPT, "evict")
-        if not self._bury(s, &e, self._take_kind(verdict), &c, "evict"):
+        if not self._claims.bury(s, &e, self._claims.take_kind(verdict), &c, "evict"):
             return False
         self._pending()[KV_ST_EVICTIONS] += 1
         return True
@@ -1714,10 +1302,10 @@ cdef class KVCache:
         dropped = []
         if not ks:
             return dropped
-        self._ident()
+        self._claims.ident()
         self._hold(None)
         try:
-            self._settle()
+            self._claims.settle()
             for k in ks:
                 kp = PyBytes_AS_STRING(k)
                 with nogil:
@@ -1767,8 +1355,8 @@ cdef class KVCache:
         cdef kv_claim c
         cdef uint64_t i
         out = []
-        for i in range(self._rec_top()):
-            self._rec_get(i, &c)
+        for i in range(self._claims.rec_top()):
+            self._claims.rec_get(i, &c)
             if kv_zero(&c):
                 continue
             out.append({"record": i, "kind": RECORD_NAMES.get(kv_kind(&c), str(kv_kind(&c))),
@@ -1972,7 +1560,7 @@ def _as_if_on_another_host(KVCache cache):
     cross-host paths)."""
     if not CXLRT_DEBUG:
         raise DebugBuildRequired()
-    cache._foreign = True
+    cache._claims.foreign = True
 
 
 def _break_quarantine(KVCache cache):

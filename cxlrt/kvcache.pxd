@@ -40,7 +40,7 @@
 #  - Pins count only while their node is alive (cxlrt/liveness.pyx): the pins of
 #    a detached, dead or never-attached node are void to eviction and delete. A
 #    payload evicted despite void pins is quarantined (KV_REC_TAKE, then
-#    KV_REC_QUARANTINE; `where` is KV_PIN_WHERE, in kvcache.pyx, and `start` the
+#    KV_REC_QUARANTINE; `where` is KV_PIN_WHERE, in cxl_kv.h, and `start` the
 #    mask of those nodes), since a stalled node may resume and read it; its header
 #    is wiped before it is freed, so a stale hit's load fails its header check
 #    after any reuse.
@@ -62,7 +62,7 @@ cdef enum:
     KV_REC_TAKE = 3            # bury (slot, epoch), then quarantine the payload
     KV_REC_QUARANTINE = 4      # a payload whose writer may still be copying into it
     KV_REC_DEFERRED = 5        # a payload nobody references, whose free() failed: retry
-    KV_QUARANTINE_LEASES = 8   # see kvcache.pyx: release of a dead node's quarantine
+    KV_QUARANTINE_LEASES = 8   # see kvclaim.pyx: release of a dead node's quarantine
     KV_COPY_CHUNK = 1048576    # bytes copied between two progress/epoch checks
     KV_ENTRY_META = 16         # offset of kv_entry.meta (checked at import)
     KV_KEY_BYTES = 16          # a chained block key (cxlrt.hashing.KEY_BYTES)

@@ -48,7 +48,7 @@ from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
 from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_layout, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
-from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_NOMEM
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_KVPINS, CXLRT_E_NOMEM
 
 
 import hashlib
@@ -76,8 +76,8 @@ if (sizeof(kv_stats) != KV_ST_WORDS * sizeof(uint64_t)
 cdef kv_payload_header _kp
 cdef uint64_t KV_AT_LAYOUT = <char*>&_kh.layout - <char*>&_kh
 cdef uint64_t KV_AT_COUNTERS = <char*>&_kh.counters - <char*>&_kh
-cdef uint64_t KV_SUMMED = <char*>&_kh.layout.checksum - <char*>&_kh  # what the checksum covers
-cdef uint64_t KV_COUNTED = <char*>&_kh.counters.reserved - <char*>&_kh.counters
+# what the header checksum covers: the geometry line and the layout words before it
+cdef uint64_t KV_SUMMED = <char*>&_kh.layout.checksum - <char*>&_kh
 if (KV_HEADER != sizeof(kv_header) or KV_PAYLOAD_HDR != sizeof(kv_payload_header)
         or KV_PROGRESS != <char*>&_kp.progress - <char*>&_kp):
     raise ImportError("cxlrt.kvcache: KV_HEADER/KV_PAYLOAD_HDR/KV_PROGRESS disagree with "
@@ -497,7 +497,7 @@ cdef class KVCache:
             self._orphans = []
             self._orphans_pid = cxl_pid()
         try:
-            self._orphans.append(PyBytes_FromStringAndSize(<const char*>slots, n * 8))
+            self._orphans.append(PyBytes_FromStringAndSize(<const char*>slots, n * sizeof(uint64_t)))
         except MemoryError:
             pass  # they stay pinned until close() gives every pin of ours back
 
@@ -513,7 +513,7 @@ cdef class KVCache:
         while self._orphans:
             b = self._orphans.pop()
             slots = <const uint64_t*>PyBytes_AS_STRING(b)
-            n = <uint64_t>PyBytes_GET_SIZE(b) // 8
+            n = <uint64_t>PyBytes_GET_SIZE(b) // sizeof(uint64_t)
             with nogil:
                 rc = self._unpin(slots, n, NULL)
             if rc != 0:  # not put back: a retry could lower pins a later hit holds
@@ -1202,7 +1202,7 @@ cdef class KVCache:
         cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(2 * want + 8, self.slots)
         cdef uint64_t batch = 0, freed = 0
         cdef int rc, verdict
-        cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * 8)
+        cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * sizeof(uint64_t))
         if cands == NULL:
             raise MemoryError()
         writing = <uint64_t*>(cands + max(k, 1))
@@ -1424,7 +1424,7 @@ cdef class KVCache:
             return
         for b in self._orphans:
             self._try_unpin(<const uint64_t*>PyBytes_AS_STRING(b),
-                            <uint64_t>PyBytes_GET_SIZE(b) // 8)
+                            <uint64_t>PyBytes_GET_SIZE(b) // sizeof(uint64_t))
 
     def __enter__(self):
         return self

@@ -1,6 +1,6 @@
 # The pins of a KV cache (invariants in kvpins.pxd). A block pinned by a live node
 # is never evicted (the pins of a detached or dead node are void to eviction:
-# kvcache.pyx); the pins of a process that died are given back by its own node, and a
+# kvclaim.pyx); the pins of a process that died are given back by its own node, and a
 # process gives its record back when it closes the cache (or, if it could not,
 # at its next attach: a record of ours that no live PinTable holds is an orphan).
 from libc.stdint cimport uint16_t, uint64_t

@@ -349,8 +349,8 @@ cdef inline uint64_t cxl_small_bitmap_bytes(uint64_t nslots) noexcept nogil:
 
 
 # --- KV cache object (the object map and its invariants are in kvcache.pxd) -------
-# XXX(#11): kvcache.pyx still writes these lines by byte offset; the structs are
-# what Python readers and layout tests read them with.
+# kvcache.pyx writes these lines through the structs; Python readers and the layout
+# tests read them through layoutinfo.
 
 ctypedef struct kv_geometry:  # line 0, immutable
     uint64_t magic            # "CXLKVC01" once the object is complete

@@ -129,20 +129,23 @@ def _where_hash():
     return _WHERE[1]
 
 
+cdef object _kv_detail(Region region, const kv_index* K, int rc):
+    """What this cache knows of status `rc`, beyond status.pyx's own words (or None)."""
+    if rc == CXLRT_E_FENCED:
+        return (f"this process was silent for longer than the {region.lease_ms / 1000.0:g} s "
+                "lease while it held the cache lock; another node may hold it now, so "
+                "nothing more was written")
+    if rc == CXLRT_E_KVCORRUPT:
+        return (f"slot {K.bad_slot} holds an entry or payload that cannot be right "
+                "(corrupt region; run `cxlrt check`)")
+    if rc == CXLRT_E_KVPINS:
+        return f"this node holds {KV_PIN_MAX} pins on one block; release hits"
+    return None
+
+
 cdef int kv_raise(Region region, str name, const kv_index* K, int rc, str what) except -1:
     """Raise what status `rc` means (status.pyx), told with what cache `name` knows."""
-    where = f"KV cache {name!r}: {what}"
-    detail = None
-    if rc == CXLRT_E_FENCED:
-        detail = (f"this process was silent for longer than the "
-                  f"{region.lease_ms / 1000.0:g} s lease while it held the cache lock; "
-                  "another node may hold it now, so nothing more was written")
-    elif rc == CXLRT_E_KVCORRUPT:
-        detail = (f"slot {K.bad_slot} holds an entry or payload that cannot be right "
-                  "(corrupt region; run `cxlrt check`)")
-    elif rc == CXLRT_E_KVPINS:
-        detail = f"this node holds {KV_PIN_MAX} pins on one block; release hits"
-    return region._rc(rc, where, 0, 0, detail)
+    return region._rc(rc, f"KV cache {name!r}: {what}", 0, 0, _kv_detail(region, K, rc))
 
 
 cdef class Claims:
@@ -182,14 +185,8 @@ cdef class Claims:
 
     cdef void fill(self, kv_claim* c, uint64_t s, uint64_t gen, uint64_t off) noexcept nogil:
         """Our claim of slot s's payload `off` at epoch `gen` (after ident())."""
-        memset(c, 0, sizeof(kv_claim))
-        c.tag = self.id_tag | KV_REC_CLAIM
-        c.off = off
-        c.epoch = gen
-        c.slot = s
-        c.inc = self.id_inc
-        c.start = self.id_start
-        c.where = self.id_where
+        c[0] = kv_claim(tag=self.id_tag | KV_REC_CLAIM, off=off, epoch=gen, slot=s,
+                        inc=self.id_inc, start=self.id_start, where=self.id_where, check=0)
         c.check = kv_mix(c)
 
     cdef bint _is_me(self, const kv_claim* c) noexcept:

@@ -78,6 +78,7 @@ cdef class Backend:
 
     cdef cxl_region* region(self) except NULL
     cpdef close(self)
+    cdef int _retire(self, Mapping m) except -1
 
 
 cdef class MappedBackend(Backend):

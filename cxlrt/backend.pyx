@@ -31,6 +31,20 @@ cdef class Backend:
         """Stop every later call through the region (idempotent)."""
         self.reg.closed = 1
 
+    cdef int _retire(self, Mapping m) except -1:
+        """Close the region and retire its mapping `m` (idempotent; raises, and stays
+        open, while views of `m` are alive). Closed before the retire: code that
+        reads words through base without the contract's checks (a lock waiter's
+        window) and sees the retired zeros then also sees closed, and does not take
+        zeros for a free lock."""
+        if m is not None and not m.closed:
+            if m._exports:
+                m.close()  # raises while views are alive
+            self.reg.closed = 1
+            m.close()
+        self.reg.closed = 1
+        return 0
+
     @property
     def caps(self):
         """``CXL_CAP_*`` bits of this backend (see :mod:`cxlrt.caps`)."""
@@ -82,15 +96,7 @@ cdef class MappedBackend(Backend):
         """Nothing per node: every node sees the mapped medium directly."""
 
     cpdef close(self):
-        if self.mapping is not None and not self.mapping.closed:
-            if self.mapping._exports:
-                self.mapping.close()  # raises while views are alive; we stay open then
-            # Closed before the retire: code that reads words through base without the
-            # contract's checks (a lock waiter's window) and sees the retired zeros then
-            # also sees closed, and does not take zeros for a free lock.
-            self.reg.closed = 1
-            self.mapping.close()
-        self.reg.closed = 1
+        self._retire(self.mapping)
         # base stays addressable (retired, anonymous) until the Mapping is freed.
 
     def view(self, unsigned long long off, unsigned long long n):

@@ -536,14 +536,8 @@ cdef class EmuBackend(Backend):
     cpdef close(self):
         if self.c != NULL and self.reg.ops == &EMU_OPS and not self.reg.closed:
             _drain(self.c)  # a delayed flush is still a flush the program issued
-        if self.mapping is not None and not self.mapping.closed:
-            if self.mapping._exports:
-                self.mapping.close()  # raises while views are alive; we stay open then
-            # Closed before the retire, as MappedBackend.close(): a thread inside an
-            # access that reads the retired zeros then also reads closed.
-            self.reg.closed = 1
-            self.mapping.close()
-        self.reg.closed = 1
+        self._retire(self.mapping)  # a thread inside an access that reads the retired
+                                    # zeros then also reads closed
         if self.sidecar is not None:
             self.sidecar.close()
         # Pointers stay valid (retired mappings, peer_tags) until __dealloc__, so a

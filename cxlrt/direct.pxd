@@ -57,12 +57,6 @@ cdef inline void direct_ops_init(cxl_ops* ops) noexcept nogil:
     """Fill every slot of `ops` for a coherent mapping (file:, numa:): direct loads and
     stores, no write-back, a real fence. A non-coherent medium (dax:) then replaces
     flush, flush_nodrain, fence and the DMA slots with its own."""
-    ops.load = direct_load
-    ops.store = direct_store
-    ops.load64 = direct_load64
-    ops.store64 = direct_store64
-    ops.flush = direct_noflush
-    ops.flush_nodrain = direct_noflush
-    ops.fence = direct_fence
-    ops.dma_read = direct_load
-    ops.dma_write = direct_dma_write
+    ops[0] = cxl_ops(load=direct_load, store=direct_store, load64=direct_load64,
+                     store64=direct_store64, flush=direct_noflush, flush_nodrain=direct_noflush,
+                     fence=direct_fence, dma_read=direct_load, dma_write=direct_dma_write)

@@ -79,6 +79,7 @@ MODULES = [
     ("cxlrt.kvindex", "cxlrt/kvindex.pyx"),
     ("cxlrt.kvevict", "cxlrt/kvevict.pyx"),
     ("cxlrt.kvclaim", "cxlrt/kvclaim.pyx"),
+    ("cxlrt.kvformat", "cxlrt/kvformat.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),

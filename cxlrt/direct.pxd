@@ -3,7 +3,7 @@
 # each backend module takes their addresses for its own ops table, which it fills
 # with direct_ops_init (and then overrides what its medium does differently).
 from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from cxlrt.backend cimport cxl_ops
 from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
@@ -57,6 +57,7 @@ cdef inline void direct_ops_init(cxl_ops* ops) noexcept nogil:
     """Fill every slot of `ops` for a coherent mapping (file:, numa:): direct loads and
     stores, no write-back, a real fence. A non-coherent medium (dax:) then replaces
     flush, flush_nodrain, fence and the DMA slots with its own."""
+    memset(ops, 0, sizeof(cxl_ops))  # a slot the literal misses is NULL (Cython only warns)
     ops[0] = cxl_ops(load=direct_load, store=direct_store, load64=direct_load64,
                      store64=direct_store64, flush=direct_noflush, flush_nodrain=direct_noflush,
                      fence=direct_fence, dma_read=direct_load, dma_write=direct_dma_write)

@@ -80,7 +80,8 @@ from typing import Any
 
 from cxlrt import layoutinfo as _layout
 from cxlrt.alloc import table_word
-from cxlrt.kvcache import header_checksum, line_check
+from cxlrt.kvcache import line_check
+from cxlrt.kvformat import header_checksum
 from cxlrt.superblock import checksum as sb_checksum
 
 NODES = 3

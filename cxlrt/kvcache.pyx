@@ -36,8 +36,9 @@ from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CX
 from cxlrt.alloc cimport Allocator, cxl_alloc
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns, unlikely
-from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG, cxl_fnv1a64
+from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG
 from cxlrt.kvclaim cimport Claims, kv_raise
+from cxlrt.kvformat cimport kv_attach
 from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready, kv_scan, kv_sweep
 from cxlrt.kvindex cimport (kv_add_occupancy, kv_claim_at, kv_cnode, kv_cpid, kv_entry_at,
                             kv_gen, kv_get, kv_get_counters, kv_index, kv_kind, kv_line_ok,
@@ -45,7 +46,7 @@ from cxlrt.kvindex cimport (kv_add_occupancy, kv_claim_at, kv_cnode, kv_cpid, kv
                             kv_probe, kv_put, kv_read, kv_set_counters, kv_set_key, kv_state,
                             kv_stats_at, kv_write, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
-from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_layout, kv_payload_header
+from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
 from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_KVPINS, CXLRT_E_NOMEM
@@ -55,29 +56,21 @@ import hashlib
 import os
 import time
 
-from cxlrt.errors import (ClaimLost, DebugBuildRequired, LeaseLost, OutOfMemory, RegionError,
-                          SchemeMismatchError)
-from cxlrt.hashing import ALGORITHM_NAMES, ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
+from cxlrt.errors import ClaimLost, DebugBuildRequired, LeaseLost
+from cxlrt.hashing import ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 
-cdef uint64_t MAGIC = 0x31304356_4B4C5843   # "CXLKVC01" (the version word says the format)
 cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
-cdef uint32_t VERSION = 2                   # 2: claim lines, records, progress word
 cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef kv_entry _proto
-# offsetof by address difference (Cython has no offsetof): the header lines and the
-# payload header fields that are written one at a time.
-cdef kv_header _kh
+# offsetof by address difference (Cython has no offsetof): the enum constants of
+# kvcache.pxd must name the fields of layout.pxd's structs.
 cdef kv_stats _ks
 if (sizeof(kv_stats) != KV_ST_WORDS * sizeof(uint64_t)
         or <char*>&_ks.evictions - <char*>&_ks != KV_ST_EVICTIONS * sizeof(uint64_t)
         or <char*>&_ks.bytes_loaded - <char*>&_ks != KV_ST_BYTES_LOADED * sizeof(uint64_t)):
     raise ImportError("cxlrt.kvcache: kv_stats and the KV_ST_* word numbers disagree")
 cdef kv_payload_header _kp
-cdef uint64_t KV_AT_LAYOUT = <char*>&_kh.layout - <char*>&_kh
-cdef uint64_t KV_AT_COUNTERS = <char*>&_kh.counters - <char*>&_kh
-# what the header checksum covers: the geometry line and the layout words before it
-cdef uint64_t KV_SUMMED = <char*>&_kh.layout.checksum - <char*>&_kh
 if (KV_HEADER != sizeof(kv_header) or KV_PAYLOAD_HDR != sizeof(kv_payload_header)
         or KV_PROGRESS != <char*>&_kp.progress - <char*>&_kp):
     raise ImportError("cxlrt.kvcache: KV_HEADER/KV_PAYLOAD_HDR/KV_PROGRESS disagree with "
@@ -87,7 +80,6 @@ if (<char*>&_proto.meta - <char*>&_proto != KV_ENTRY_META or sizeof(kv_entry) !=
     raise ImportError("cxlrt.kvcache: kv_entry layout and KV_ENTRY_META/KV_KEY_BYTES disagree")
 
 
-DIR_PREFIX = "kv/"  # directory names of KV caches
 STATE_NAMES = {KV_EMPTY: "empty", KV_WRITING: "writing", KV_READY: "ready",
                KV_TOMBSTONE: "tombstone", KV_EVICTING: "evicting"}
 
@@ -112,7 +104,7 @@ cdef class KVCache:
     algorithm="blake2b", salt=b"", create=True)`` creates the cache or attaches
     to it by name. Keys are :meth:`block_hashes` of token ids; a lookup returns
     the leading run of keys that are cached, pinned against eviction until the
-    :class:`Hit` is released. Crashes and stalls: see the module docstring.
+    :class:`Hit` is released. Crashes and stalls: :mod:`cxlrt.kvclaim`.
     """
 
     cdef const cxl_region* r
@@ -132,6 +124,7 @@ cdef class KVCache:
     cdef object _lock                    # the cache lock (entries, claims, records, counters)
     cdef uint32_t _pin_lock              # its node-local mutex guards our pins and stats
     cdef kv_index K                      # what the C layer (kvindex, kvevict) works on
+    cdef kv_geometry G                   # its geometry line (kvformat.pyx)
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef Claims _claims                  # its writers' claims and the records (kvclaim.pyx)
@@ -184,7 +177,15 @@ cdef class KVCache:
         self.K.L = self.L
         self._heap = region._allocator
         self.K.A = &self._heap.A
-        self._attach(name, create, block_bytes, capacity_blocks)
+        memset(&self.G, 0, sizeof(kv_geometry))
+        self.G.key_bytes = KEY_BYTES
+        self.G.block_tokens = block_tokens
+        self.G.algorithm = ALGORITHMS[algorithm]
+        memcpy(self.G.salt_digest, PyBytes_AS_STRING(self.salt_digest),
+               sizeof(self.G.salt_digest))
+        kv_attach(region, name, &self.K, &self.G, create, block_bytes, capacity_blocks)
+        self.block_bytes, self.capacity = self.G.block_bytes, self.G.capacity
+        self.slots, self.offset = self.G.slots, self.K.offset
         from cxlrt.nodelocal import local_dir
         path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self.K.node}"
                                          f"-kv{self.offset:x}.pins")
@@ -192,181 +193,6 @@ cdef class KVCache:
         self._closed = False
         region._closing.add(self)  # closed (counters published, pins given back) before the region
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
-
-    def _set_geometry(self, uint64_t block_bytes, uint64_t capacity):
-        self.block_bytes = block_bytes
-        self.capacity = capacity
-        self.slots = 8
-        while self.slots < 2 * capacity:  # load factor <= 1/2 keeps probe runs short
-            self.slots <<= 1
-        self.K.slots = self.slots
-        self.K.block_bytes = block_bytes
-        self.K.mask = self.slots - 1
-        self.K.nrec = max(64, self.slots // 8)
-
-    # --- creation and attach ------------------------------------------------------------
-
-    def _total(self):
-        return self._sections(0)[5]
-
-    def _sections(self, uint64_t base):
-        """(entries, pins, stats, claims, records, end) offsets of a cache object at
-        `base` (the object map in kvcache.pxd)."""
-        entries = base + sizeof(kv_header)
-        pins = entries + self.slots * sizeof(kv_entry)
-        stats = pins + self.K.nodes * self.slots * sizeof(uint64_t)
-        claims = stats + self.K.nodes * sizeof(kv_stats)
-        records = claims + self.slots * sizeof(kv_claim)
-        return entries, pins, stats, claims, records, records + self.K.nrec * sizeof(kv_claim)
-
-    cdef int _geo(self, kv_geometry* g) except -1:
-        """This cache's geometry line, as it is (or would be) on the medium."""
-        memset(g, 0, sizeof(kv_geometry))
-        g.magic = MAGIC
-        g.version = VERSION
-        g.key_bytes = KEY_BYTES
-        g.slots = self.slots
-        g.capacity = self.capacity
-        g.block_bytes = self.block_bytes
-        g.block_tokens = self.block_tokens
-        g.algorithm = ALGORITHMS[self.algorithm]
-        memcpy(g.salt_digest, PyBytes_AS_STRING(self.salt_digest), sizeof(g.salt_digest))
-        return 0
-
-    def _geometry(self):
-        cdef kv_geometry g
-        self._geo(&g)
-        return (<char*>&g)[:sizeof(g)]
-
-    def _layout(self, uint64_t base, uint64_t created):
-        """The layout line of a cache object at `base`, its checksum over both lines."""
-        cdef kv_header h
-        self._geo(&h.geometry)
-        entries, pins, stats, claims = self._sections(base)[:4]
-        h.layout.nodes = self.K.nodes
-        h.layout.entries = entries
-        h.layout.pins = pins
-        h.layout.stats = stats
-        h.layout.created_ns = created
-        h.layout.total = self._total()
-        h.layout.claims = claims
-        h.layout.checksum = cxl_fnv1a64(<const unsigned char*>&h, KV_SUMMED)
-        return (<char*>&h.layout)[:sizeof(kv_layout)]
-
-    def _attach(self, str name, bint create, block_bytes, capacity):
-        region = self.region
-        key = DIR_PREFIX + name
-        try:
-            off = region.get(key)
-        except KeyError:
-            off = None
-        if off is None:
-            if not create:
-                raise KeyError(f"no KV cache named {name!r} in {region.spec}")
-            if block_bytes is None or capacity is None:
-                raise ValueError(f"KV cache {name!r} does not exist yet: creating it needs "
-                                 "block_bytes and capacity_blocks")
-            self._set_geometry(block_bytes, capacity)
-            with region.lock("kv:create"):
-                try:
-                    off = region.get(key)
-                except KeyError:
-                    off = self._create(key)
-        cdef kv_header h
-        if block_bytes is None or capacity is None:  # attach with the recorded geometry
-            self._read_header(off, &h)
-            block_bytes = block_bytes or h.geometry.block_bytes
-            capacity = capacity or h.geometry.capacity
-            if block_bytes < 1 or capacity < 1 or capacity > self.K.heap_hi:
-                raise RegionError(f"KV cache {name!r}: recorded geometry is corrupt")
-        self._set_geometry(block_bytes, capacity)
-        self.offset = off
-        self.K.offset = off
-        self._validate(off)
-
-    cdef int _read_header(self, uint64_t base, kv_header* h) except -1:
-        """The geometry and layout lines of the cache object at `base`, checked."""
-        region = self.region
-        if base % 64 or base < self.K.heap_lo or base + KV_HEADER > self.K.heap_hi:
-            raise RegionError(f"KV cache {self.name!r}: directory offset {base} is not a "
-                              "cache object (corrupt)")
-        region.flush(base, KV_AT_COUNTERS)
-        cdef bytes raw = bytes(region.load(base, KV_AT_COUNTERS))
-        memcpy(h, PyBytes_AS_STRING(raw), KV_AT_COUNTERS)
-        if h.geometry.magic != MAGIC:
-            raise RegionError(f"{self.name!r} in the directory is not a KV cache")
-        version = h.geometry.version
-        if version != VERSION:
-            raise RegionError(
-                f"KV cache {self.name!r} has on-media format {version}; this build reads "
-                f"format {VERSION}" + (" only (format 1 has no claim lines or records, so its "
-                                       "writers cannot be fenced). Recreate the cache under "
-                                       "another name, or delete it with "
-                                       f"region.delete({DIR_PREFIX + self.name!r}) once no "
-                                       "process uses it" if version < VERSION else ""))
-        if cxl_fnv1a64(<const unsigned char*>h, KV_SUMMED) != h.layout.checksum:
-            raise RegionError(f"KV cache {self.name!r}: header checksum mismatch (corrupt)")
-        return 0
-
-    def _create(self, str name):
-        region = self.region
-        total = self._total()
-        try:
-            base = region.alloc(total, 64)
-        except OutOfMemory as e:
-            raise OutOfMemory(f"KV cache {name!r}: its index needs {total} bytes: {e}") from None
-        region.flush(base, total)  # no stale line of the memory's last use may land later
-        zeros = bytes(min(total, 1 << 20))
-        pos = 0
-        while pos < total:  # the heap keeps old bytes; DMA bypasses every cache
-            n = min(len(zeros), total - pos)
-            region.dma_write(base + pos, zeros[:n])
-            pos += n
-        region.store(base + KV_AT_LAYOUT, self._layout(base, cxl_wall_ns()))
-        region.persist(base + KV_AT_LAYOUT, sizeof(kv_layout))
-        region.store(base, self._geometry())  # the magic goes last: attachers wait for it
-        region.persist(base, sizeof(kv_geometry))
-        region.put(name, base)
-        return base
-
-    def _validate(self, uint64_t base):
-        cdef kv_header h
-        self._read_header(base, &h)
-        self._check_scheme(&h.geometry)
-        if h.layout.nodes != self.K.nodes or h.layout.total != self._total() or \
-                base + h.layout.total > self.K.heap_hi:
-            raise RegionError(f"KV cache {self.name!r}: layout does not fit this region (corrupt)")
-        sec = self._sections(base)
-        if (h.layout.entries, h.layout.pins, h.layout.stats, h.layout.claims) != sec[:4]:
-            raise RegionError(f"KV cache {self.name!r}: section offsets are corrupt")
-        self.K.entries, self.K.pins, self.K.stats, self.K.claims, self.K.records, _ = sec
-
-    cdef int _check_scheme(self, const kv_geometry* g) except -1:
-        cdef kv_geometry ours
-        self._geo(&ours)
-        if memcmp(g, &ours, sizeof(ours)) == 0:
-            return 0
-        diffs = []
-        alg = g.algorithm
-        if alg != ALGORITHMS[self.algorithm]:
-            diffs.append(f"hash algorithm {ALGORITHM_NAMES.get(alg, alg)!r} "
-                         f"(you asked for {self.algorithm!r})")
-        salt = (<const char*>g.salt_digest)[:sizeof(g.salt_digest)]
-        if salt != self.salt_digest:
-            diffs.append(f"salt digest {salt[:8].hex()}... (yours is "
-                         f"{self.salt_digest[:8].hex()}...: another model, dtype, layout or "
-                         "tenant salt)")
-        for label, theirs, mine in (("block_tokens", g.block_tokens, self.block_tokens),
-                                    ("block_bytes", g.block_bytes, self.block_bytes),
-                                    ("capacity_blocks", g.capacity, self.capacity),
-                                    ("key bytes", g.key_bytes, KEY_BYTES)):
-            if theirs != mine:
-                diffs.append(f"{label} {theirs} (you asked for {mine})")
-        raise SchemeMismatchError(
-            f"KV cache {self.name!r} in {self.region.spec} was created with a different scheme: "
-            + "; ".join(diffs or ["geometry words differ"])
-            + ". Attach with the same parameters or use another name (with another salt or "
-              "block size, keys would never match: a silent zero hit rate)")
 
     # --- entries ------------------------------------------------------------------------
 
@@ -1583,15 +1409,4 @@ def line_check(line):
     return 0 if kv_zero(w) else kv_mix(w)
 
 
-def header_checksum(head):
-    """The checksum a cache header with these first bytes carries (kv_layout.checksum:
-    FNV-1a 64 over the geometry line and the layout words before it)."""
-    cdef bytes raw = bytes(head)
-    if <uint64_t>len(raw) < KV_SUMMED:
-        raise ValueError(f"a KV cache header's checksum covers {KV_SUMMED} bytes, got {len(raw)}")
-    return cxl_fnv1a64(<const unsigned char*>PyBytes_AS_STRING(raw), KV_SUMMED)
-
-
-FORMAT_MAGIC = MAGIC      # kv_geometry.magic of a complete cache object
-FORMAT_VERSION = VERSION  # the on-media format this build reads and writes
 PIN_COUNT_MASK = KV_PIN_MAX  # a pin word's count bits

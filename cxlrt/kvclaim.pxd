@@ -1,7 +1,8 @@
 # Who writes a KV cache's payloads, and how a payload that leaves its entry goes
 # back to the allocator: the claims of writers, judged by any lock holder, and the
 # record lines that finish evictions, takeovers and quarantines across crashes.
-# Every method but fill() runs with the cache lock held. The protocol is in
+# Judging and settling run with the cache lock held; ident() and fill() need no
+# lock, nor do rec_top() and rec_get() as inspection reads them. The protocol is in
 # kvclaim.pyx's docstring, the lines in kvcache.pxd, the C steps in kvindex.pxd.
 from libc.stdint cimport uint32_t, uint64_t
 

@@ -185,6 +185,7 @@ cdef class Claims:
 
     cdef void fill(self, kv_claim* c, uint64_t s, uint64_t gen, uint64_t off) noexcept nogil:
         """Our claim of slot s's payload `off` at epoch `gen` (after ident())."""
+        memset(c, 0, sizeof(kv_claim))  # a field the literal misses stays 0 (Cython only warns)
         c[0] = kv_claim(tag=self.id_tag | KV_REC_CLAIM, off=off, epoch=gen, slot=s,
                         inc=self.id_inc, start=self.id_start, where=self.id_where, check=0)
         c.check = kv_mix(c)

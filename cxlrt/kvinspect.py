@@ -14,14 +14,8 @@ from cxlrt import layoutinfo
 from cxlrt.errors import RegionError
 from cxlrt.formats import Format
 from cxlrt.hashing import ALGORITHM_NAMES
-from cxlrt.kvcache import (
-    DIR_PREFIX,
-    FORMAT_MAGIC,
-    FORMAT_VERSION,
-    PIN_COUNT_MASK,
-    STAT_NAMES,
-    header_checksum,
-)
+from cxlrt.kvcache import PIN_COUNT_MASK, STAT_NAMES
+from cxlrt.kvformat import DIR_PREFIX, FORMAT_MAGIC, FORMAT_VERSION, header_checksum
 
 _GEOMETRY, _LAYOUT, _COUNTERS = Format("kv_geometry"), Format("kv_layout"), Format("kv_counters")
 _STATS = Format("kv_stats")

@@ -80,6 +80,7 @@ MODULES = [
     ("cxlrt.kvevict", "cxlrt/kvevict.pyx"),
     ("cxlrt.kvclaim", "cxlrt/kvclaim.pyx"),
     ("cxlrt.kvformat", "cxlrt/kvformat.pyx"),
+    ("cxlrt.kvwrite", "cxlrt/kvwrite.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),

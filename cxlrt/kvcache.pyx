@@ -1,17 +1,19 @@
 # Prefix KV cache (TraCT's rack-wide prefix cache): lookups and pins without the
 # global lock, stores that copy payloads outside it, LRU eviction of unpinned
-# blocks. Layout and invariants: kvcache.pxd. This file is the Python API and the
-# store's reserve, copy and publish; kvclaim.pyx judges writers and settles
-# records, kvindex.pyx is the C index, kvevict.pyx the eviction pass, kvpins.pyx
-# the pins, kvinspect.py read-only inspection.
+# blocks. Layout and invariants: kvcache.pxd. This file is the Python API, the
+# lookups and the loads; kvwrite.pyx stores (reserve, copy, publish, evict),
+# kvclaim.pyx judges writers and settles records, kvformat.pyx creates and checks
+# the object, kvindex.pyx is the C index, kvevict.pyx the eviction pass,
+# kvpins.pyx the pins, kvinspect.py read-only inspection.
 """The prefix KV cache.
 
 Stores
     store() claims its slots under the cache lock (a claim line, then the entry
     WRITING at a new generation), copies the payloads with no lock held while it
-    advances their progress words, and publishes them under the lock. How other
-    nodes judge a writer that stalls or dies, and how its payloads go back to
-    the allocator after any crash: :mod:`cxlrt.kvclaim`.
+    advances their progress words, and publishes them under the lock
+    (:mod:`cxlrt.kvwrite`). How other nodes judge a writer that stalls or dies,
+    and how its payloads go back to the allocator after any crash:
+    :mod:`cxlrt.kvclaim`.
 
 Loads
     A load checks the payload header (key, generation, geometry) before and
@@ -26,30 +28,27 @@ from cpython.sequence cimport (PySequence_Fast, PySequence_Fast_GET_SIZE,
                                PySequence_Fast_ITEMS)
 from libc.errno cimport EBUSY
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, qsort
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
-                            cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush,
-                            cxl_flush_nodrain, cxl_load, cxl_observe, cxl_observe64, cxl_region,
-                            cxl_store)
-from cxlrt.alloc cimport Allocator, cxl_alloc
+                            cxl_dma_read, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
+                            cxl_observe, cxl_observe64, cxl_region, cxl_store)
+from cxlrt.alloc cimport Allocator
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport cxl_now_ns, cxl_pid, cxl_prefetch, cxl_wall_ns, unlikely
-from cxlrt.includes.intrin cimport CXL_ASSERT, CXLRT_DEBUG
+from cxlrt.includes.intrin cimport CXLRT_DEBUG, cxl_pid, cxl_prefetch, unlikely
 from cxlrt.kvclaim cimport Claims, kv_raise
 from cxlrt.kvformat cimport kv_attach
-from cxlrt.kvevict cimport kv_cand, kv_cand_cmp, kv_evict_batch, kv_evict_ready, kv_scan, kv_sweep
-from cxlrt.kvindex cimport (kv_add_occupancy, kv_claim_at, kv_cnode, kv_cpid, kv_entry_at,
-                            kv_gen, kv_get, kv_get_counters, kv_index, kv_kind, kv_line_ok,
-                            kv_meta, kv_mix, kv_owner_node, kv_owner_pid, kv_payload_ok,
-                            kv_probe, kv_put, kv_read, kv_set_counters, kv_set_key, kv_state,
-                            kv_stats_at, kv_write, kv_zero)
+from cxlrt.kvindex cimport (KV_PAYLOAD_MAGIC, kv_cnode, kv_cpid, kv_entry_at, kv_gen,
+                            kv_get_counters, kv_index, kv_kind, kv_line_ok, kv_meta, kv_mix,
+                            kv_owner_node, kv_owner_pid, kv_payload_ok, kv_probe, kv_read, kv_state,
+                            kv_stats_at, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
+from cxlrt.kvwrite cimport Writer
 from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
 from cxlrt.region cimport Region
-from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_KVPINS, CXLRT_E_NOMEM
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_KVCORRUPT, CXLRT_E_KVPINS
 
 
 import hashlib
@@ -59,7 +58,6 @@ import time
 from cxlrt.errors import ClaimLost, DebugBuildRequired, LeaseLost
 from cxlrt.hashing import ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 
-cdef uint64_t PMAGIC = 0x32304256_4B4C5843  # "CXLKVB02"
 cdef int* _armed = cxl_crash_armed_ptr()
 
 cdef kv_entry _proto
@@ -121,15 +119,13 @@ cdef class KVCache:
     cdef readonly str algorithm
     cdef readonly bytes salt_digest
     cdef object _salt
-    cdef object _lock                    # the cache lock (entries, claims, records, counters)
     cdef uint32_t _pin_lock              # its node-local mutex guards our pins and stats
     cdef kv_index K                      # what the C layer (kvindex, kvevict) works on
     cdef kv_geometry G                   # its geometry line (kvformat.pyx)
     cdef bint _closed
     cdef PinTable _pt                    # our node's pins, and which process holds them
     cdef Claims _claims                  # its writers' claims and the records (kvclaim.pyx)
-    cdef uint64_t _tick_ns
-    cdef uint64_t _progress              # our writers' progress counter (any change counts)
+    cdef Writer _w                       # its stores and the eviction they need (kvwrite.pyx)
     cdef uint64_t _pend[KV_ST_WORDS]     # counters not yet in the region (see _pending)
     cdef int _pend_pid                   # the process they belong to
     cdef list _orphans                   # slot arrays of hits dropped unreleased (bytes)
@@ -164,13 +160,12 @@ cdef class KVCache:
         self.K.node = region.node
         self.K.heap_lo, heap_len = region.heap
         self.K.heap_hi = self.K.heap_lo + heap_len
-        self._tick_ns = max(<uint64_t>region.lease_ms * 1000000 // 8, 1000000)
         self._claims = Claims(region, name)
         self._claims.K = &self.K
         self._orphans = []
         self._orphans_pid = cxl_pid()
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
-        self._lock = region.lock(f"kv:{tag}")
+        lock = region.lock(f"kv:{tag}")  # the cache lock: entries, claims, records, counters
         self._pin_lock = region.lock(f"kvp:{tag}").index
         self._locks = region.locks
         self.L = &self._locks.L
@@ -190,6 +185,7 @@ cdef class KVCache:
         path = os.path.join(local_dir(), f"cxlrt-{region.uuid:016x}-node{self.K.node}"
                                          f"-kv{self.offset:x}.pins")
         self._pt = PinTable(region, self._locks, self._pin_lock, self.K.pins, self.slots, path)
+        self._w = Writer(region, name, self._claims, lock, self._pt, self.capacity)
         self._closed = False
         region._closing.add(self)  # closed (counters published, pins given back) before the region
         self._pt.recover()  # a restarted worker heals what its dead predecessor pinned
@@ -203,18 +199,6 @@ cdef class KVCache:
 
     # --- counters (line 2, cache lock held) -----------------------------------------------
 
-    def _occupancy(self):
-        cdef kv_counters w
-        self._io(kv_get_counters(&self.K, &w), "counters")
-        return w.occupancy
-
-    def _set_occupancy(self, uint64_t occ, uint64_t nbytes):
-        cdef kv_counters w
-        self._io(kv_get_counters(&self.K, &w), "counters")
-        w.occupancy = occ
-        w.payload_bytes = nbytes
-        self._io(kv_set_counters(&self.K, &w), "counters")
-
     # --- pins ------------------------------------------------------------------------------
 
     def recover(self):
@@ -223,18 +207,19 @@ cdef class KVCache:
         Gives back pins held by this node's dead processes (a node's pins are
         written only by the node itself, so each node heals its own; this also
         runs at attach, at a process's first pin, and when eviction finds nothing
-        to evict; meanwhile eviction treats the pins of a gone node as void), then, under the cache lock, finishes interrupted evictions,
-        releases quarantined payloads whose writer has stopped, and retries
-        frees that failed (store() does the same).
+        to evict; meanwhile eviction treats the pins of a gone node as void).
+        Then, under the cache lock, finishes interrupted evictions, releases
+        quarantined payloads whose writer has stopped, and retries frees that
+        failed (store() does the same).
         """
         self._need_open()
         n = self._pt.recover()
         self._claims.ident()
-        self._hold(None)
+        self._w.hold(None)
         try:
             self._claims.settle()
         finally:
-            self._release_quietly()
+            self._w.release_quietly()
         return n
 
     cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
@@ -268,20 +253,6 @@ cdef class KVCache:
 
     cdef int _raise(self, int rc, str what) except -1:
         return kv_raise(self.region, self.name, &self.K, rc, what)
-
-    cdef uint64_t _alloc_payload(self) except? 0:
-        """A payload chunk for one block (cache lock held), or 0 when the heap has
-        no room for one; any other failure of the allocator raises."""
-        cdef uint64_t off = 0
-        cdef int rc
-        with nogil:
-            rc = cxl_alloc(self.K.A, KV_PAYLOAD_HDR + self.block_bytes, &off)
-        if rc == CXLRT_E_NOMEM:
-            return 0
-        if rc != 0:
-            # the allocator's own status, not the cache lock's: check_rc says it as is
-            self.region._rc(rc, f"KV cache {self.name!r}: store: allocating a payload", 0, 0)
-        return off
 
     cdef void _need_open(self) except *:
         if self._closed:
@@ -323,7 +294,8 @@ cdef class KVCache:
             self._orphans = []
             self._orphans_pid = cxl_pid()
         try:
-            self._orphans.append(PyBytes_FromStringAndSize(<const char*>slots, n * sizeof(uint64_t)))
+            self._orphans.append(
+                PyBytes_FromStringAndSize(<const char*>slots, n * sizeof(uint64_t)))
         except MemoryError:
             pass  # they stay pinned until close() gives every pin of ours back
 
@@ -515,7 +487,8 @@ cdef class KVCache:
         cdef int rc = cxl_dma_read(self.r, hit.offs[i], &h, sizeof(h))
         if rc != 0:
             return rc
-        if h.magic != PMAGIC or h.generation != hit.gens[i] or h.block_bytes != self.block_bytes \
+        if h.magic != KV_PAYLOAD_MAGIC or h.generation != hit.gens[i] \
+                or h.block_bytes != self.block_bytes \
                 or h.cache != self.offset or memcmp(h.key, hit.key(i), KV_KEY_BYTES) != 0:
             self.K.bad_slot = hit.slots[i]
             return CXLRT_E_KVCORRUPT
@@ -638,39 +611,13 @@ cdef class KVCache:
         cdef uint64_t n = len(ks), bb = self.block_bytes
         from cxlrt._buffers import sources
         srcs = sources(blocks, n, bb)
-        cdef list reserved = []          # (slot, gen, off, index)
         cdef uint64_t st[KV_ST_WORDS]
         memset(st, 0, sizeof(st))
-        self._claims.ident()
-        self._hold(None)
         try:
-            self._claims.settle()
-            for j in range(n):
-                got = self._reserve(ks, j)
-                if got is None:
-                    st[KV_ST_SKIPPED] += 1
-                    continue
-                if got is False:
-                    break  # no room even after eviction: store what we have
-                reserved.append(got + (j,))
-        except BaseException:
-            self._release_quietly()
-            self._abandon(reserved, ks)  # nothing half-reserved stays behind
-            raise
-        self._release_quietly()  # every write above was fenced: a late LeaseLost is moot
-        done = False
-        published = lost = ()
-        try:
-            if reserved:
-                self.region._busy += 1  # Region.close() refuses while we copy without the GIL
-                try:
-                    self._copy(reserved, ks, srcs)
-                finally:
-                    self.region._busy -= 1
-            done = True
+            published, lost, skipped, nres = self._w.store(ks, srcs)
         finally:
-            if reserved:
-                published, lost = self._publish(reserved, ks, done)
+            self._count_evictions()
+        st[KV_ST_SKIPPED] = skipped
         st[KV_ST_STORES] = len(published)
         st[KV_ST_BYTES_STORED] = len(published) * bb
         self._add_pending(st)
@@ -678,438 +625,17 @@ cdef class KVCache:
         stored = [ks[j] for j in published]
         if lost:
             raise ClaimLost(
-                f"KV cache {self.name!r}: store: {len(lost)} of {len(reserved)} blocks were "
+                f"KV cache {self.name!r}: store: {len(lost)} of {nres} blocks were "
                 f"taken over by another node while this process made no progress for longer "
                 f"than the {self.region.lease_ms / 1000.0:g} s lease (stopped or stalled?); they "
                 f"were not stored and their payloads went back to the allocator. "
                 f"{len(stored)} blocks were stored.", stored, [ks[j] for j in lost])
         return stored
 
-    def _hold(self, list reserved):
-        """Take the cache lock, and make sure the hold is sound before we write.
-
-        A hold whose acquire began before a silence of ours longer than the lease
-        may overlap another node's (LeaseLost from check()): let go and take it
-        again. While we wait with claims of ours (`reserved`), their progress
-        words keep moving, so nobody takes them over for waiting.
-        """
-        cdef uint64_t t0
-        tick_s = self._tick_ns / 1e9
-        for _ in range(64):
-            t0 = cxl_now_ns()
-            if reserved:
-                while not self._lock.acquire(timeout=tick_s):
-                    self._tick_progress(reserved)
-            else:
-                self._lock.acquire()
-            try:
-                self._lock.check()
-            except LeaseLost:
-                self._lock_release()
-                time.sleep(tick_s)  # our heartbeat thread resumes beating meanwhile
-                continue
-            self.K.hold_t0 = t0  # from here every write first asks _fenced()
-            return
-        raise LeaseLost(f"KV cache {self.name!r}: this process keeps being silent for longer "
-                        "than the lease; it cannot hold the cache lock soundly")
-
-    def _lock_release(self):
-        try:
-            self._lock.release()
-        except LeaseLost:
-            pass  # a silence the fence already answered: nothing was written during it
-
-    def _release_quietly(self):
-        """Let the cache lock go (if this thread holds it)."""
-        if self.K.hold_t0 == 0:
-            return
-        self.K.hold_t0 = 0
-        self._lock_release()
-
-    def _abandon(self, list reserved, list ks):
-        """Give back the claims of a store that failed before its copy (best effort:
-        what we cannot give back is taken over by the next store and freed once this
-        process is gone)."""
-        if not reserved:
-            return
-        try:
-            self._hold(None)
-            try:
-                self._finish(reserved, ks, False)
-            finally:
-                self._release_quietly()
-        except Exception:  # noqa: BLE001  (the caller re-raises the first error)
-            pass
-
-    def _publish(self, list reserved, list ks, bint done):
-        """_finish() under a sound hold; a hold cut short by a silence of ours (the
-        fence refused a write) is taken again and the step repeated."""
-        for attempt in range(4):
-            self._hold(reserved)  # keeps our progress words moving while it waits
-            try:
-                return self._finish(reserved, ks, done)
-            except LeaseLost:
-                if attempt == 3:
-                    raise
-            finally:
-                self._release_quietly()
-
-    def _tick_progress(self, list reserved):
-        """Advance the progress word of each claim (outside the lock)."""
-        self._progress += 1
-        v = int(self._progress).to_bytes(8, "little")
-        for s, gen, off, j in reserved:
-            self.region.dma_write(off + KV_PROGRESS, v)
-
-    cdef object _reserve(self, list ks, Py_ssize_t j):
-        """Claim a slot and a payload for `ks[j]` (cache lock held). A full cache
-        evicts for every key of ks[j:] still absent at once: one table scan per store
-        rather than one per capacity/16 keys, and never room for keys it would skip.
-
-        (slot, gen, off) claimed; None when the key is present or being written;
-        False when there is no room even after evicting.
-        """
-        cdef kv_entry e
-        cdef kv_claim c, old
-        cdef kv_counters w
-        cdef uint64_t s = 0, free_slot = 0, off = 0, gen
-        cdef int rc, verdict
-        cdef bint orphan
-        cdef bytes key = ks[j]
-        cdef const char* kp = PyBytes_AS_STRING(key)
-        with nogil:
-            rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
-        if rc < 0:
-            self._raise(rc, "store")
-        if rc == 1:
-            if kv_state(&e) != KV_WRITING:
-                return None  # present: exactly one copy wins
-            verdict = self._claims.judge(s, &e, &c)
-            if verdict == 0 or not self._claims.bury(s, &e, self._claims.take_kind(verdict), &c, "store"):
-                return None  # being written by a writer that may still finish
-            with nogil:
-                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
-            if rc != 0:
-                if rc < 0:
-                    self._raise(rc, "store")
-                return None
-        with nogil:
-            rc = kv_get_counters(&self.K, &w)
-        self._io(rc, "store")
-        if w.occupancy >= self.capacity:
-            if not self._evict(self._batch(self._absent(ks, j))):
-                return False
-            with nogil:
-                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
-            if rc < 0:
-                self._raise(rc, "store")
-        if free_slot == <uint64_t>-1:
-            return False
-        off = self._alloc_payload()
-        if off == 0:
-            # Each evicted payload makes room for one of the same size, unless its
-            # memory goes back through another node's remote-free queue (usable once
-            # that node drains it) or into quarantine. So one round, for exactly the
-            # blocks still needed; then no room, rather than emptying the cache for
-            # memory this node cannot have yet.
-            if self._evict(min(self._absent(ks, j), self.capacity)):
-                off = self._alloc_payload()
-            if off == 0:
-                return False
-            with nogil:
-                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)  # eviction may free an earlier slot
-            if rc < 0:
-                self.region.free(off)
-                self._raise(rc, "store")
-            if free_slot == <uint64_t>-1:
-                self.region.free(off)
-                return False
-        s = free_slot
-        with nogil:
-            rc = kv_read(&self.K, s, &e)
-            if rc == 0:
-                rc = kv_get(&self.K, kv_claim_at(&self.K, s), &old)
-        if rc != 0:
-            self.region.free(off)
-            self._raise(rc, "store")
-        CXL_ASSERT((kv_state(&e) == KV_EMPTY) | (kv_state(&e) == KV_TOMBSTONE),
-                   b"reserving a slot the probe did not find free (under the cache lock)")
-        gen = kv_gen(&e) + 1
-        # A claim line for this very epoch over a free entry: a reserve died between
-        # its claim line and its entry, and nobody else knows that payload.
-        orphan = (kv_line_ok(&old) and kv_kind(&old) == KV_REC_CLAIM and old.epoch == gen
-                  and old.slot == s and old.off != 0 and old.off != off)
-        # The claim first, on its own line: who writes this slot's payload, in which
-        # life of its node, at which epoch.
-        self._claims.fill(&c, s, gen, off)
-        kv_set_key(&e, kp)
-        e.meta = kv_meta(gen, KV_WRITING)
-        e.off = off
-        e.len = KV_PAYLOAD_HDR + self.block_bytes
-        e.owner = self._claims.id_owner
-        e.stamp_ns = cxl_wall_ns()
-        CXL_ASSERT(kv_payload_ok(&self.K, &e), b"reserved payload outside the heap or misaligned")
-        with nogil:
-            rc = kv_put(&self.K, kv_claim_at(&self.K, s), &c)
-            if rc == 0:
-                rc = kv_write(&self.K, s, &e)
-        if rc != 0:
-            self.region.free(off)
-            self._raise(rc, "store")
-        if unlikely(_armed[0]):
-            cxl_crash_hit(b"kv.store.writing")
-        with nogil:
-            rc = kv_add_occupancy(&self.K, 1, <long long>self.block_bytes)
-        self._io(rc, "store")
-        if orphan:  # our claim line replaced it first: a crash now leaks it, never frees twice
-            self._claims.free_payload(old.off)
-        return (s, gen, off)
-
-    def _copy(self, list reserved, list ks, list srcs):
-        """DMA each reserved payload (no lock held): the headers, then the blocks in
-        chunks, advancing the progress words and re-reading our entries every tick;
-        a block whose claim was taken over is not written further."""
-        cdef uint64_t n = len(reserved), i
-        cdef kv_job* jobs = <kv_job*>malloc(max(n, 1) * sizeof(kv_job))
-        cdef const unsigned char[::1] src
-        cdef int rc
-        if jobs == NULL:
-            raise MemoryError()
-        try:
-            for i in range(n):
-                s, gen, off, j = reserved[i]
-                src = srcs[j]
-                jobs[i].slot = s
-                jobs[i].gen = gen
-                jobs[i].off = off
-                jobs[i].src = &src[0]  # srcs keeps the buffer alive
-                jobs[i].key = PyBytes_AS_STRING(ks[j])
-                jobs[i].lost = 0
-            with nogil:
-                rc = self._copy_jobs(jobs, n)
-        finally:
-            free(jobs)
-        if rc != 0:
-            self._raise(rc, "store")
-
-    cdef int _copy_jobs(self, kv_job* jobs, uint64_t n) noexcept nogil:
-        cdef kv_payload_header h
-        cdef uint64_t i, pos, step, bb = self.block_bytes, last, chunk
-        cdef uint64_t prog = self._progress + 1
-        cdef int rc = 0
-        # Two chunks at least, so a block always has a "half copied" point.
-        chunk = min(<uint64_t>KV_COPY_CHUNK, max(<uint64_t>64, ((bb + 1) // 2 + 63) & ~63ULL))
-        for i in range(n):
-            memset(&h, 0, sizeof(h))
-            h.magic = PMAGIC
-            memcpy(h.key, jobs[i].key, KV_KEY_BYTES)
-            h.generation = jobs[i].gen
-            h.block_bytes = bb
-            h.cache = self.offset
-            h.progress = prog
-            h.writer = self._claims.id_owner
-            rc = cxl_dma_write(self.r, jobs[i].off, &h, sizeof(h))
-            if rc != 0:
-                return rc
-        last = cxl_now_ns()
-        for i in range(n):
-            pos = 0
-            while pos < bb:
-                if cxl_now_ns() - last >= self._tick_ns:
-                    prog += 1
-                    rc = self._tick(jobs, n, prog)
-                    if rc != 0:
-                        return rc
-                    last = cxl_now_ns()
-                if jobs[i].lost:
-                    break
-                step = min(chunk, bb - pos)
-                if pos and unlikely(_armed[0]):
-                    cxl_crash_hit(b"kv.store.copy")
-                rc = cxl_dma_write(self.r, jobs[i].off + KV_PAYLOAD_HDR + pos,
-                                   jobs[i].src + pos, step)
-                if rc != 0:
-                    return rc
-                pos += step
-        self._progress = prog + 1
-        return self._tick(jobs, n, prog + 1)  # the last word before we publish
-
-    cdef int _tick(self, kv_job* jobs, uint64_t n, uint64_t prog) noexcept nogil:
-        """Re-read each claim's entry (lock-free); advance the progress word of the
-        claims that are still ours, mark the others lost."""
-        cdef kv_entry e
-        cdef uint64_t i
-        cdef int rc
-        for i in range(n):
-            if jobs[i].lost:
-                continue
-            rc = kv_read(&self.K, jobs[i].slot, &e)
-            if rc != 0:
-                return rc
-            if kv_state(&e) != KV_WRITING or kv_gen(&e) != jobs[i].gen or e.off != jobs[i].off:
-                jobs[i].lost = 1
-                continue
-            rc = cxl_dma_write(self.r, jobs[i].off + KV_PROGRESS, &prog, sizeof(prog))
-            if rc != 0:
-                return rc
-        return 0
-
-    def _finish(self, list reserved, list ks, bint ok):
-        """Publish the reserved entries ready, or give them back (cache lock held).
-
-        Returns (indexes into `ks` published, indexes taken over by another node).
-        """
-        cdef kv_entry e
-        cdef uint64_t s, gen, off
-        cdef int rc
-        published = []
-        lost = []
-        for s, gen, off, j in reserved:
-            with nogil:
-                rc = kv_read(&self.K, s, &e)
-            self._io(rc, "store")
-            if ok and kv_state(&e) == KV_READY and kv_gen(&e) == gen and e.off == off:
-                published.append(j)  # an earlier try of this step published it
-                continue
-            if kv_state(&e) != KV_WRITING or kv_gen(&e) != gen or e.off != off:
-                lost.append(j)  # taken over: our epoch is over, we publish nothing
-                self._claims.ack(off, gen)
-                continue
-            if not ok:
-                if not self._claims.bury(s, &e, KV_REC_EVICT, NULL, "store"):
-                    self._claims.bury_unrecorded(s, &e)
-                continue
-            if unlikely(_armed[0]):
-                cxl_crash_hit(b"kv.store.publish")
-            e.meta = kv_meta(gen, KV_READY)
-            e.stamp_ns = cxl_wall_ns()
-            CXL_ASSERT(kv_payload_ok(&self.K, &e), b"publishing an entry whose payload is not ours")
-            with nogil:
-                rc = kv_write(&self.K, s, &e)
-            self._io(rc, "store")
-            published.append(j)
-        return published, lost
-
-    # --- occupancy and eviction ----------------------------------------------------------
-
-    cdef uint64_t _absent(self, list ks, Py_ssize_t j) except? 0:
-        """How many of ks[j:] the table does not hold (cache lock held): the blocks a
-        store still needs room for (keys present or being written are skipped)."""
-        cdef kv_entry e
-        cdef uint64_t s = 0, free_slot = 0, n = 0
-        cdef const char* kp
-        cdef int rc
-        for k in ks[j:]:
-            kp = PyBytes_AS_STRING(k)
-            with nogil:
-                rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
-            if rc < 0:
-                self._raise(rc, "store")
-            n += rc == 0
-        return n
-
-    cdef uint64_t _batch(self, uint64_t need) noexcept:
-        """Blocks to evict for a store that still needs `need`: at least capacity/16
-        (so small stores do not scan the table each), at most the capacity."""
-        return min(max(need, self.capacity // 16, <uint64_t>1), self.capacity)
-
-    def _evict(self, uint64_t want):
-        """Evict up to `want` least-recently-used unpinned blocks (cache lock held).
-
-        Also takes over entries whose writer died or stalled mid-store. Returns the
-        number of entries freed.
-        """
-        cdef kv_entry e
-        cdef kv_claim c
-        cdef kv_cand* cands
-        cdef uint64_t* writing
-        # Some slack: a candidate a lookup pins between the scan and its EVICTING mark
-        # stays, and the next oldest goes instead.
-        cdef uint64_t s, i, used = 0, nc = 0, nw = 0, k = min(2 * want + 8, self.slots)
-        cdef uint64_t batch = 0, freed = 0
-        cdef int rc, verdict
-        cands = <kv_cand*>malloc(max(k, 1) * sizeof(kv_cand) + self.slots * sizeof(uint64_t))
-        if cands == NULL:
-            raise MemoryError()
-        writing = <uint64_t*>(cands + max(k, 1))
-        try:
-            with nogil:
-                rc = kv_scan(&self.K, cands, k, &nc, writing, &nw, &used)
-            if rc < 0:
-                self._raise(rc, "evict")
-            # The scan saw every entry under the lock: the exact count, whatever a
-            # crash between an entry write and a counter update left behind.
-            self._set_occupancy(used, used * self.block_bytes)
-            # Every writer is judged (a judgement watches its progress across calls);
-            # those judged gone go first (their blocks can never become ready), then
-            # the oldest unpinned blocks, oldest first.
-            gone = []
-            for i in range(nw):
-                s = writing[i]
-                with nogil:
-                    rc = kv_read(&self.K, s, &e)
-                self._io(rc, "evict")
-                if kv_state(&e) == KV_WRITING:
-                    verdict = self._claims.judge(s, &e, &c)
-                    if verdict:
-                        gone.append((s, verdict))
-            for s, verdict in gone:
-                if freed >= want:
-                    break
-                if self._evict_one(s, verdict):
-                    freed += 1
-            if nc > 1:
-                qsort(cands, nc, sizeof(kv_cand), kv_cand_cmp)
-            if freed < want:
-                with nogil:
-                    rc = kv_evict_batch(&self.K, cands, nc, want - freed, &batch)
-                self._pending()[KV_ST_EVICTIONS] += batch
-                freed += batch
-                self._io(rc, "evict")
-        finally:
-            free(cands)
-        if freed:
-            self._sweep_tombstones()
-        elif self._pt.recover():
-            return self._evict(want)  # our node's dead processes held the pins
-        return freed
-
-    def _evict_one(self, uint64_t s, int verdict):
-        """Evict slot s: a writer judged gone a moment ago under this same hold
-        (verdict != 0), or the least recently used block (verdict 0)."""
-        cdef kv_entry e
-        cdef kv_claim c
-        cdef int rc, freed = 0
-        if verdict == 0:
-            with nogil:
-                rc = kv_evict_ready(&self.K, s, &freed)
-            if freed:
-                self._pending()[KV_ST_EVICTIONS] += 1
-            self._io(rc, "evict")
-            if freed:
-                self._claims.shrink()
-            return freed
-        with nogil:
-            rc = kv_read(&self.K, s, &e)
-        self._io(rc, "evict")
-        if kv_state(&e) != KV_WRITING:
-            return False
-        self._claims.claim_of(s, &e, &c)
-        if not kv_payload_ok(&self.K, &e):
-            self.K.bad_slot = s
-            self._raise(CXLRT_E_KVCORRUPT, "evict")
-        if not self._claims.bury(s, &e, self._claims.take_kind(verdict), &c, "evict"):
-            return False
-        self._pending()[KV_ST_EVICTIONS] += 1
-        return True
-
-    def _sweep_tombstones(self):
-        """Empty the tombstones no present key's probe walks through (cache lock held)."""
-        cdef int rc
-        with nogil:
-            rc = kv_sweep(&self.K)
-        if rc != 0:
-            self._raise(rc, "evict")
+    cdef void _count_evictions(self) noexcept:
+        """Move the writer's evictions into our pending counters."""
+        self._pending()[KV_ST_EVICTIONS] += self._w.evicted
+        self._w.evicted = 0
 
     def delete(self, keys):
         """Drop the blocks of `keys` now; returns the keys this call dropped.
@@ -1129,7 +655,7 @@ cdef class KVCache:
         if not ks:
             return dropped
         self._claims.ident()
-        self._hold(None)
+        self._w.hold(None)
         try:
             self._claims.settle()
             for k in ks:
@@ -1138,12 +664,13 @@ cdef class KVCache:
                     rc = kv_probe(&self.K, kp, &s, &e, &free_slot)
                 if rc < 0:
                     self._raise(rc, "delete")
-                if rc == 1 and kv_state(&e) == KV_READY and self._evict_one(s, 0):
+                if rc == 1 and kv_state(&e) == KV_READY and self._w.evict_one(s, 0):
                     dropped.append(k)
             if dropped:
-                self._sweep_tombstones()
+                self._w.sweep_tombstones()
         finally:
-            self._release_quietly()
+            self._w.release_quietly()
+            self._count_evictions()
         return dropped
 
     # --- figures ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from cxlrt.lock cimport cxl_lockctx
 
 cdef extern from "cxl_kv.h":
     const uint64_t KV_PIN_WHERE
+    const uint64_t KV_PAYLOAD_MAGIC
 
 
 ctypedef struct kv_index:

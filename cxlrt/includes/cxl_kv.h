@@ -6,4 +6,7 @@
  * ("VIDPINS"): its `start` is then the mask of the nodes whose pins were void. */
 #define KV_PIN_WHERE 0x534E4950444956ULL
 
+/* kv_payload_header.magic ("CXLKVB02"): the header of a payload its writer began. */
+#define KV_PAYLOAD_MAGIC 0x323042564B4C5843ULL
+
 #endif /* CXL_KV_H */

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import cxlrt
+import cxlrt.crash
 from cxlrt.kvcache import _break_pin_protocol
 from tests.kvforge import forge_entry
 from tests.nodes import _CTX, raise_failures, run_procs
@@ -515,14 +517,10 @@ def test_lookups_complete_while_another_node_holds_the_cache_lock(backend):
     r.close()
 
 
-class _DiesMidCopy(cxlrt.KVCache):
-    def _copy(self, reserved, ks, srcs):
-        os._exit(9)  # SIGKILL-like: no cleanup runs
-
-
 def _store_and_die(spec, node, keys):
     r = cxlrt.open(spec, node=node)
-    c = _DiesMidCopy(r, "kv", block_bytes=BB, capacity_blocks=4)
+    c = cxlrt.KVCache(r, "kv", block_bytes=BB, capacity_blocks=4)
+    cxlrt.crash.arm("kv.store.copy", "kill")  # SIGKILL mid-copy: no cleanup runs
     c.store(keys, [block_for(k) for k in keys])
 
 
@@ -530,7 +528,7 @@ def _die_storing(backend, keys):
     p = _CTX.Process(target=_store_and_die, args=(backend.spec(), 0, keys))
     p.start()
     p.join(60)
-    assert p.exitcode == 9
+    assert p.exitcode == -signal.SIGKILL
 
 
 def test_entries_of_a_writer_that_died_are_reclaimed(backend):

@@ -216,14 +216,10 @@ def test_one_eviction_pass_freeing_more_than_a_remote_free_queue_holds(backend, 
     _assert_loads(c0, keys[-1], block_for(keys[-1], 64))
 
 
-class _KilledMidCopy(cxlrt.KVCache):
-    def _copy(self, *args):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _store_and_get_killed(spec, node, keys, q):
     r = cxlrt.open(spec, node=node)
-    c = _KilledMidCopy(r, "kv", block_bytes=BB, capacity_blocks=16)
+    c = cxlrt.KVCache(r, "kv", block_bytes=BB, capacity_blocks=16)
+    cxlrt.crash.arm("kv.store.copy", "kill")  # SIGKILL between two chunks of the first block
     c.store(keys, [block_for(k) for k in keys])
 
 

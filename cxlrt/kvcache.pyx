@@ -57,6 +57,8 @@ import time
 
 from cxlrt.errors import ClaimLost, DebugBuildRequired, LeaseLost
 from cxlrt.hashing import ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
+# the object format's public names, importable from here as before the split
+from cxlrt.kvformat import DIR_PREFIX, FORMAT_MAGIC, FORMAT_VERSION, header_checksum
 
 cdef int* _armed = cxl_crash_armed_ptr()
 
@@ -452,6 +454,8 @@ cdef class KVCache:
         """This process's pending counters (GIL held)."""
         if self._pend_pid != cxl_pid():  # a forked child: its parent publishes those
             memset(self._pend, 0, sizeof(self._pend))
+            if self._w is not None:
+                self._w.evicted = 0
             self._pend_pid = cxl_pid()
         return self._pend
 
@@ -669,8 +673,8 @@ cdef class KVCache:
             if dropped:
                 self._w.sweep_tombstones()
         finally:
-            self._w.release_quietly()
             self._count_evictions()
+            self._w.release_quietly()
         return dropped
 
     # --- figures ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 # The writers of a KV cache, as any holder of its cache lock judges them, and the
-# records that give payloads back to the allocator. kvcache.pyx reserves, copies
+# records that give payloads back to the allocator. kvwrite.pyx reserves, copies
 # and publishes; this module decides whose claim stands and finishes what a
 # crashed or stalled writer, evictor or reader left.
 """Claims, takeovers, quarantines and records of the prefix KV cache.

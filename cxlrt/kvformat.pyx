@@ -71,7 +71,7 @@ cdef uint64_t _sections(const kv_index* K, uint64_t base, kv_layout* lay) noexce
     lay.pins = lay.entries + K.slots * sizeof(kv_entry)
     lay.stats = lay.pins + K.nodes * K.slots * sizeof(uint64_t)
     lay.claims = lay.stats + K.nodes * sizeof(kv_stats)
-    records = lay.claims + K.slots * sizeof(kv_claim)
+    cdef uint64_t records = lay.claims + K.slots * sizeof(kv_claim)
     lay.total = records + K.nrec * sizeof(kv_claim) - base
     return records
 
@@ -185,6 +185,13 @@ cdef int kv_attach(Region region, str name, kv_index* K, kv_geometry* G, bint cr
     offset and sections.
     """
     cdef kv_header h
+    cdef uint64_t heap = K.heap_hi - K.heap_lo
+    # No heap holds more blocks than it has bytes (nor a block larger than itself);
+    # the table's sizing would also overflow past 2**62 blocks.
+    for what, v in (("capacity_blocks", capacity), ("block_bytes", block_bytes)):
+        if v is not None and v > heap:
+            raise ValueError(f"{what}={v} is more than this region's heap ({heap} bytes) "
+                             "could hold")
     key = DIR_PREFIX + name
     try:
         off = region.get(key)

@@ -3,8 +3,8 @@
 # nogil` and returns a status (0, or a CXLRT_E_* / negated errno), so that a store,
 # a lookup or an eviction batch runs its whole pass under one release of the GIL.
 # The object map and the invariants are in kvcache.pxd; kvcache.pyx is the Python
-# API over this, kvclaim.pyx the judging of writers and the records, kvevict.pyx
-# the eviction pass.
+# API over this, kvwrite.pyx the stores, kvclaim.pyx the judging of writers and the
+# records, kvformat.pyx the object's header, kvevict.pyx the eviction pass.
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 

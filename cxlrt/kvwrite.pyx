@@ -140,7 +140,7 @@ cdef class Writer:
                 self.lock_release()
                 time.sleep(tick_s)  # our heartbeat thread resumes beating meanwhile
                 continue
-            self.K.hold_t0 = t0  # from here every write first asks _fenced()
+            self.K.hold_t0 = t0  # from here every write first asks kv_fenced()
             return
         raise LeaseLost(f"KV cache {self.name!r}: this process keeps being silent for longer "
                         "than the lease; it cannot hold the cache lock soundly")

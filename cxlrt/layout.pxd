@@ -349,12 +349,12 @@ cdef inline uint64_t cxl_small_bitmap_bytes(uint64_t nslots) noexcept nogil:
 
 
 # --- KV cache object (the object map and its invariants are in kvcache.pxd) -------
-# kvcache.pyx writes these lines through the structs; Python readers and the layout
+# kvformat.pyx writes these lines through the structs; Python readers and the layout
 # tests read them through layoutinfo.
 
 ctypedef struct kv_geometry:  # line 0, immutable
     uint64_t magic            # "CXLKVC01" once the object is complete
-    uint32_t version          # the object's format (kvcache.pyx VERSION)
+    uint32_t version          # the object's format (kvformat.pyx VERSION)
     uint32_t key_bytes        # KV_KEY_BYTES
     uint64_t slots            # entries of the hash table, a power of two
     uint64_t capacity         # blocks the cache holds at most

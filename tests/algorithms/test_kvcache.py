@@ -622,6 +622,19 @@ def test_attach_with_another_scheme_says_what_differs(backend):
     b.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity", [2**62 + 1, 2**63, 2**64 - 1])
+def test_a_capacity_no_heap_could_hold_is_refused_at_once(backend, capacity):
+    """Sizing the table for 2**62 blocks or more used to double its slot count past
+    2**64 to 0 and loop for ever."""
+    r = backend.create(nodes=1)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        open_cache(r, capacity_blocks=capacity)
+    with pytest.raises(KeyError):
+        r.get("kv/kv")  # nothing was created
+    r.close()
+
+
 def test_bad_input(backend):
     r = backend.create(nodes=1)
     for kw in ({"block_bytes": 0}, {"capacity_blocks": -1}, {"block_tokens": 1.5},

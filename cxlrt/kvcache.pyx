@@ -166,6 +166,7 @@ cdef class KVCache:
         self._claims.K = &self.K
         self._orphans = []
         self._orphans_pid = cxl_pid()
+        self._pend_pid = cxl_pid()
         tag = name if len(raw) <= 36 else hashlib.blake2b(raw, digest_size=8).hexdigest()
         lock = region.lock(f"kv:{tag}")  # the cache lock: entries, claims, records, counters
         self._pin_lock = region.lock(f"kvp:{tag}").index
@@ -638,7 +639,8 @@ cdef class KVCache:
 
     cdef void _count_evictions(self) noexcept:
         """Move the writer's evictions into our pending counters."""
-        self._pending()[KV_ST_EVICTIONS] += self._w.evicted
+        cdef uint64_t* pend = self._pending()  # first: in a forked child it drops both
+        pend[KV_ST_EVICTIONS] += self._w.evicted
         self._w.evicted = 0
 
     def delete(self, keys):

@@ -17,8 +17,8 @@ from libc.string cimport memcpy
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_PERSISTENT,
                             CXL_CAP_SHARED_HOSTS, CXL_F_DIRECT, MappedBackend, cxl_ops)
 from cxlrt.direct cimport direct_ops_init
-from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_flush_range,
-                                    cxl_flushopt_range)
+from cxlrt.includes.intrin cimport (cxl_copy_out, cxl_fence_drain, cxl_fence_full,
+                                    cxl_flush_range, cxl_flushopt_range)
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.errors import RegionError, RegionSizeError
@@ -119,8 +119,10 @@ cdef int _dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogi
 
 
 cdef int _dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    """Bulk write, then write the lines back so other hosts see it on return."""
-    memcpy(<char*>ctx + off, src, n)
+    """Bulk write, then write the lines back so other hosts see it on return. The
+    non-temporal body already went to the device; the flush still covers its ragged
+    ends, which went through the cache."""
+    cxl_copy_out(<char*>ctx + off, src, n)
     cxl_flush_range(<char*>ctx + off, n)
     cxl_fence_drain()
     return 0

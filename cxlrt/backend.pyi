@@ -2,6 +2,8 @@ from typing import Any
 
 DEBUG: int
 
+def copy_mode() -> dict[str, bool | int]: ...
+
 class Backend:
     scheme: str
     path: str

@@ -4,7 +4,7 @@
 cimport cython
 from libc.stdint cimport uint32_t
 
-from cxlrt.includes.intrin cimport CXLRT_DEBUG
+from cxlrt.includes.intrin cimport CXL_NT_MIN, CXLRT_DEBUG, cxl_nt_enabled
 from cxlrt.mapping cimport Mapping
 
 from cxlrt.errors import RegionClosedError
@@ -12,6 +12,13 @@ from cxlrt.errors import RegionClosedError
 # This build's debug level (cxlrt/includes/debug.h): 0 release, 1 asserts and test
 # hooks, 2 also expensive walks. Tests that need the hooks skip unless it is >= 1.
 DEBUG = CXLRT_DEBUG
+
+
+def copy_mode() -> dict:
+    """How dma_write copies large blocks in this process (cxlrt/includes/cxl_copy.h):
+    non-temporal stores from `nt_min` bytes up unless CXLRT_NT_STORES=0 was set
+    before the first copy."""
+    return {"nt_stores": bool(cxl_nt_enabled()), "nt_min": CXL_NT_MIN}
 
 
 cdef class Backend:

@@ -6,8 +6,8 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 from cxlrt.backend cimport cxl_ops
-from cxlrt.includes.intrin cimport (cxl_fence_drain, cxl_fence_full, cxl_load64_volatile,
-                                    cxl_store64_volatile)
+from cxlrt.includes.intrin cimport (cxl_copy_out, cxl_fence_drain, cxl_fence_full,
+                                    cxl_load64_volatile, cxl_store64_volatile)
 
 
 cdef inline int direct_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
@@ -47,8 +47,9 @@ cdef inline int direct_fence(void* ctx) noexcept nogil:
 
 cdef inline int direct_dma_write(void* ctx, uint64_t off, const void* src,
                                  uint64_t n) noexcept nogil:
-    """Bulk copy in; the drain orders it before any later flag store."""
-    memcpy(<char*>ctx + off, src, n)
+    """Bulk copy in (non-temporal when large: nobody here reads it back); the drain
+    orders it before any later flag store."""
+    cxl_copy_out(<char*>ctx + off, src, n)
     cxl_fence_drain()
     return 0
 

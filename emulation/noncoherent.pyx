@@ -18,7 +18,7 @@ from libc.string cimport memcmp, memcpy
 
 from cxlrt.backend cimport CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS, cxl_ops
 from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
-                                    cxl_fence_full, cxl_spin_ns, likely, unlikely)
+                                    cxl_copy_out, cxl_fence_full, cxl_spin_ns, likely, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_atomic_store_seqcst_fence64
@@ -361,7 +361,10 @@ cdef int _dma(emu_ctx* c, void* dst, const void* src, uint64_t off, uint64_t n,
         rc = _dma_over_dirty(c, off, n, kind)
         if rc != 0:
             return rc
-    memcpy(dst, src, n)
+    if kind == EMU_V_DMA_OVER_DIRTY:
+        cxl_copy_out(dst, src, n)  # into the medium, as the real backends write it
+    else:
+        memcpy(dst, src, n)
     _dma_delay(c, n)
     return 0
 

@@ -37,6 +37,12 @@ cdef extern from "cxl_intrin.h" nogil:
     void cxl_spin_ns(uint64_t ns)
 
 
+cdef extern from "cxl_copy.h" nogil:
+    uint64_t CXL_NT_MIN
+    int cxl_nt_enabled()
+    void cxl_copy_out(void* dst, const void* src, uint64_t n)
+
+
 cdef extern from "debug.h" nogil:
     int CXLRT_DEBUG
     # Test-only branch: `if CXLRT_TEST_HOOK(flag):` is constant false in release builds.

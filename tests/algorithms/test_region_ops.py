@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -53,6 +56,52 @@ def test_dma_bypasses_views_and_is_visible_after_observe(backend):
     assert out.tobytes() == payload
     a.close()
     b.close()
+
+
+def _dma_write_at_every_alignment(a, b, n: int) -> None:
+    """dma_write n random bytes at ragged offsets over a guard pattern; node b must
+    observe exactly them, and nothing beside them may move."""
+    base, span = a.heap[0], n + 256
+    model = bytearray(b"\xa5" * span)
+    a.dma_write(base, bytes(model))
+    rng = np.random.default_rng(n)
+    for shift in (0, 1, 17, 63):
+        b.flush(base, span)
+        b.load(base, span)  # b now holds the old lines: they must go stale, not survive
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        a.dma_write(base + 64 + shift, data)
+        model[64 + shift:64 + shift + n] = data
+        b.flush(base, span)
+        assert b.load(base, span) == model, f"n={n} shift={shift}"
+        assert b.dma_read(base, span) == model, f"n={n} shift={shift}"
+
+
+# Large dma_writes use non-temporal stores (cxl_copy.h, from CXL_NT_MIN = 16 KiB): the
+# sizes straddle the switch, and every shift gives the copy a ragged head and tail.
+@pytest.mark.parametrize("n", [4096, 16383, 16384, 16385, 65536 + 7, (1 << 20) + 33])
+def test_large_dma_writes_land_whole_at_any_alignment(backend, n):
+    a = backend.create(nodes=2)
+    b = backend.open(1)
+    _dma_write_at_every_alignment(a, b, n)
+    a.close()
+    b.close()
+
+
+def test_dma_writes_with_non_temporal_stores_switched_off(backend):
+    """CXLRT_NT_STORES=0, which perf/ uses to measure both ways, copies the same bytes."""
+    backend.create(nodes=2).close()
+    spec = backend.spec()
+    code = ("import cxlrt\n"
+            "from cxlrt.backend import copy_mode\n"
+            "from tests.algorithms.test_region_ops import _dma_write_at_every_alignment\n"
+            "assert copy_mode() == {'nt_stores': False, 'nt_min': 16384}, copy_mode()\n"
+            f"a, b = cxlrt.open({spec!r}, node=0), cxlrt.open({spec!r}, node=1)\n"
+            "for n in (16384, 65543):\n"
+            "    _dma_write_at_every_alignment(a, b, n)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, CXLRT_NT_STORES="0"))
+    assert out.returncode == 0, out.stderr
 
 
 def test_view_is_a_window_on_the_medium(backend):

@@ -83,6 +83,7 @@ MODULES = [
     ("cxlrt.kvwrite", "cxlrt/kvwrite.pyx"),
     ("cxlrt.kvcache", "cxlrt/kvcache.pyx"),
     ("cxlrt.channel", "cxlrt/channel.pyx"),
+    ("cxlrt.staging", "cxlrt/staging.pyx"),
     ("cxlrt.backends.file", "backends/file.pyx"),
     ("cxlrt.backends.numa", "backends/numa.pyx"),
     ("cxlrt.backends.dax", "backends/dax.pyx"),

@@ -26,12 +26,17 @@ from cxlrt.errors import (
     RegionError,
     RegionSizeError,
     SchemeMismatchError,
+    StagingError,
+    StagingHandleError,
+    StagingStalled,
+    StagingTimeout,
     UnsupportedError,
 )
 from cxlrt.hashing import block_hashes
 from cxlrt.kvcache import Hit, KVCache
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
+from cxlrt.staging import StagingWindow
 
 __version__ = "0.1.0"
 
@@ -40,6 +45,7 @@ __all__ = [
     "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError",
     "LeaseLost", "LockTimeout", "NoLockManager", "NodeRangeError", "NotARegionError",
     "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
-    "RegionSizeError", "SchemeMismatchError", "UnsupportedError", "block_hashes", "format",
-    "inspect", "open", "parse_size", "parse_spec",
+    "RegionSizeError", "SchemeMismatchError", "StagingError", "StagingHandleError",
+    "StagingStalled", "StagingTimeout", "StagingWindow", "UnsupportedError", "block_hashes",
+    "format", "inspect", "open", "parse_size", "parse_spec",
 ]

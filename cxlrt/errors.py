@@ -145,6 +145,23 @@ class ClaimLost(LeaseLost):
         return (ClaimLost, (str(self), self.stored, self.lost))
 
 
+class StagingError(CxlrtError):
+    """A staging window (cxlrt.StagingWindow) refused a call or failed a copy."""
+
+
+class StagingHandleError(StagingError, ValueError):
+    """A handle this window never issued, or one already released."""
+
+
+class StagingStalled(StagingError, RuntimeError):
+    """wait() on a handle that can only be staged after a release, with no copy in
+    flight: every staged handle is complete and held. Release earlier handles first."""
+
+
+class StagingTimeout(StagingError, TimeoutError):
+    """wait() ran out of time before the handle's bytes were staged."""
+
+
 class DebugBuildRequired(CxlrtError, RuntimeError):
     """A test hook was called on a release build: hooks exist only in debug builds.
 

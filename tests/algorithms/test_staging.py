@@ -1,0 +1,300 @@
+"""The staging window (issue 13): ordered prefetch into bounded memory, on every backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cxlrt
+from cxlrt.staging import StagingWindow
+from tests.nodes import raise_failures, run_procs
+
+KIB = 1024
+
+
+def _objects(r, sizes, seed):
+    """Write one object of each size into the heap by DMA; returns [(off, bytes)]."""
+    rng = np.random.default_rng(seed)
+    out, off = [], r.heap[0]
+    for n in sizes:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        r.dma_write(off, data)
+        out.append((off, data))
+        off += (n + 63) // 64 * 64
+    return out
+
+
+def test_objects_come_back_whole_in_issue_order(backend):
+    r = backend.create(size="16M")
+    objs = _objects(r, [1, 63, 4 * KIB, 16 * KIB + 5, 300 * KIB, 1 << 20, 3 * KIB] * 3, 1)
+    with StagingWindow(r, size="1M", slots=3) as w:
+        hs = w.prefetch_many([(o, len(d)) for o, d in objs])
+        assert hs == sorted(hs) and len(set(hs)) == len(hs)
+        for h, (_, data) in zip(hs, objs, strict=True):
+            # Completion is in issue order: whatever is ready is a prefix of the handles.
+            ready = [w.ready(x) for x in hs if x >= h]
+            assert ready == sorted(ready, reverse=True), ready
+            v = w.wait(h, timeout=30)
+            assert v.tobytes() == data
+            del v
+            w.release(h)
+        st = w.stats()
+        assert st["staged"] == 0 and st["bytes_in_use"] == 0 and st["queued"] == 0
+        assert st["copied"] == sum(len(d) for _, d in objs)
+        assert 0 < st["peak_bytes"] <= 1 << 20
+    r.close()
+
+
+def test_bad_handles_and_objects_are_clear_errors(backend):
+    r = backend.create()
+    (off, data), = _objects(r, [8 * KIB], 2)
+    w = StagingWindow(r, size="64K", slots=2)
+    with pytest.raises(cxlrt.StagingError, match="larger than the window"):
+        w.prefetch(off, 64 * KIB + 1)
+    with pytest.raises(cxlrt.StagingError, match="empty object"):
+        w.prefetch(off, 0)
+    with pytest.raises(cxlrt.OutOfRangeError):
+        w.prefetch(r.size - 8, 64)
+    # A bad object in a batch issues nothing of the batch.
+    with pytest.raises(cxlrt.StagingError):
+        w.prefetch_many([(off, 64), (off, 1 << 20)])
+    assert w.stats()["queued"] == 0
+    with pytest.raises(cxlrt.StagingHandleError, match="never issued"):
+        w.wait(1)
+    h = w.prefetch(off, len(data))
+    for bad in (0, h + 1, 2**64 - 1):
+        with pytest.raises(cxlrt.StagingHandleError, match="never issued"):
+            w.wait(bad)
+        with pytest.raises(cxlrt.StagingHandleError, match="never issued"):
+            w.release(bad)
+    assert bytes(w.wait(h, timeout=30)) == data
+    w.release(h)
+    with pytest.raises(cxlrt.StagingHandleError, match="was released"):
+        w.wait(h)
+    with pytest.raises(cxlrt.StagingHandleError, match="was released"):
+        w.release(h)  # twice
+    with pytest.raises(ValueError):
+        w.wait(h, timeout=-1)
+    w.close()
+    with pytest.raises(cxlrt.RegionClosedError):
+        w.prefetch(off, 64)
+    r.close()
+    with pytest.raises(ValueError):
+        StagingWindow(backend.create(), size=0)
+
+
+def test_a_live_view_blocks_its_release_and_its_bytes_stay_put(backend):
+    r = backend.create()
+    objs = _objects(r, [4 * KIB] * 4, 3)
+    w = StagingWindow(r, size="8K", slots=2)
+    h1, h2, h3, h4 = w.prefetch_many([(o, len(d)) for o, d in objs])
+    v1 = w.wait(h1, timeout=30)
+    with pytest.raises(BufferError, match="still alive"):
+        w.release(h1)
+    with pytest.raises(TypeError):
+        v1[0] = 1  # read-only
+    arr = np.frombuffer(v1, np.uint8)  # a second view of the same bytes
+    del v1
+    with pytest.raises(BufferError):
+        w.release(h1)
+    assert arr.tobytes() == objs[0][1]
+    del arr
+    w.release(h1)
+    for h, (_, data) in zip((h2, h3, h4), objs[1:], strict=True):
+        assert bytes(w.wait(h, timeout=30)) == data
+        w.release(h)
+    w.close()
+    r.close()
+
+
+def test_a_release_makes_room_at_once_and_a_self_deadlock_is_an_error(backend):
+    r = backend.create()
+    objs = _objects(r, [16 * KIB] * 3, 4)
+    w = StagingWindow(r, size="32K", slots=4)
+    h1, h2, h3 = w.prefetch_many([(o, len(d)) for o, d in objs])
+    v1, v2 = w.wait(h1, timeout=30), w.wait(h2, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(cxlrt.StagingStalled, match="only after a release"):
+        w.wait(h3)  # no timeout: it would never end
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(cxlrt.StagingStalled):
+        w.wait(h3, timeout=10)  # a timeout cannot help either
+    del v1
+    w.release(h1)  # room for h3 right away, in the bytes h1 had
+    assert bytes(w.wait(h3, timeout=30)) == objs[2][1]
+    assert w.stats()["peak_bytes"] == 32 * KIB
+    del v2
+    w.close()
+    r.close()
+
+
+def test_a_slow_copy_times_out_and_then_completes(backend, emu_only):
+    # The emulated device moves 0.05 bytes/ns (50 MB/s): a 2 MiB object takes ~40 ms.
+    r = cxlrt.open(backend.spec("bw=0.05"), node=0, create=True, size="8M", nodes=1)
+    (off, data), = _objects(r, [2 << 20], 9)
+    w = StagingWindow(r, size="2M", slots=1)
+    h = w.prefetch(off, len(data))
+    with pytest.raises(cxlrt.StagingTimeout, match="not staged within 0.001 s"):
+        w.wait(h, timeout=0.001)
+    assert bytes(w.wait(h, timeout=30)) == data
+    w.close()
+    r.close()
+
+
+def test_releasing_queued_and_in_flight_handles_loses_nothing_else(backend):
+    r = backend.create(size="16M")
+    objs = _objects(r, [1 << 20] * 8, 5)
+    w = StagingWindow(r, size="2M", slots=2)
+    hs = w.prefetch_many([(o, len(d)) for o, d in objs])
+    for h in hs[1::2]:  # never consumed: queued ones are skipped, a copy stops
+        w.release(h)
+    for h, (_, data) in list(zip(hs, objs, strict=True))[0::2]:
+        assert bytes(w.wait(h, timeout=30)) == data
+        w.release(h)
+    st = w.stats()
+    assert st["staged"] == 0 and st["bytes_in_use"] == 0
+    w.close()
+    r.close()
+
+
+def _one_waited(backend, n, seed):
+    """A region holding one object of n bytes, and a window that staged it:
+    (region, window, handle, view, bytes)."""
+    r = backend.create()
+    (off, data), = _objects(r, [n], seed)
+    w = StagingWindow(r, size=2 * n, slots=2)
+    h = w.prefetch(off, len(data))
+    return r, w, h, w.wait(h, timeout=30), data
+
+
+def test_region_close_closes_its_windows_first(backend):
+    r, w, h, v, data = _one_waited(backend, 4 * KIB, 6)
+    r.close()
+    assert w.closed
+    assert v.tobytes() == data  # a view taken before the close stays readable
+    with pytest.raises(cxlrt.RegionClosedError):
+        w.wait(h)
+    with pytest.raises(cxlrt.RegionClosedError):
+        StagingWindow(r)
+
+
+def test_window_bytes_never_exceed_the_limit_under_concurrency(backend):
+    """A consumer thread waits and releases while a sampler watches the counters and
+    the main thread keeps issuing objects of mixed sizes."""
+    r = backend.create(size="24M")
+    rng = np.random.default_rng(7)
+    sizes = [int(x) for x in rng.integers(1, 200 * KIB, 120)]
+    objs = _objects(r, sizes, 7)
+    size = 512 * KIB
+    w = StagingWindow(r, size=size, slots=5)
+    seen, errors = [], []
+    issued: list[int] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            st = w.stats()
+            seen.append((st["bytes_in_use"], st["staged"]))
+
+    def consume():
+        try:
+            i = 0
+            while i < len(objs):
+                if i >= len(issued):
+                    time.sleep(0.0005)
+                    continue
+                v = w.wait(issued[i], timeout=60)
+                if v.tobytes() != objs[i][1]:
+                    errors.append(f"object {i} came back wrong")
+                del v
+                w.release(issued[i])
+                i += 1
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=sample), threading.Thread(target=consume)]
+    for t in threads:
+        t.start()
+    for k in range(0, len(objs), 7):
+        issued.extend(w.prefetch_many([(o, len(d)) for o, d in objs[k:k + 7]]))
+    threads[1].join(timeout=120)
+    stop.set()
+    threads[0].join(timeout=10)
+    assert not errors, errors
+    assert seen and max(b for b, _ in seen) <= size and max(s for _, s in seen) <= 5
+    assert w.stats()["peak_bytes"] <= size
+    w.close()
+    r.close()
+
+
+def _node_reads(case, node, objs, rounds):
+    """One process of one node: its own window over the shared region."""
+    r = case.open(node)
+    with StagingWindow(r, size=256 * KIB, slots=3) as w:
+        for k in range(rounds):
+            order = objs[k % len(objs):] + objs[:k % len(objs)]
+            hs = w.prefetch_many([(o, len(d)) for o, d in order])
+            for h, (_, data) in zip(hs, order, strict=True):
+                v = w.wait(h, timeout=60)
+                assert v.tobytes() == data, f"node {node} round {k}"
+                del v
+                w.release(h)
+            assert w.stats()["peak_bytes"] <= 256 * KIB
+    r.close()
+    return node
+
+
+def test_several_nodes_stage_the_same_objects_at_once(backend):
+    r = backend.create(size="8M", nodes=4)
+    objs = _objects(r, [100 * KIB, 7, 64 * KIB, 128 * KIB, 5 * KIB], 8)
+    got = raise_failures(run_procs(_node_reads, [(backend, n, objs, 6) for n in (1, 2, 3)]))
+    assert got == [1, 2, 3]
+    r.close()
+
+
+def test_staging_bytes_no_node_published_is_caught(backend, emu_only):
+    """The broken protocol: a writer stores an object into its own view and never
+    publishes it, and a window stages it by DMA. The emulation's checker catches it."""
+    if backend.faulty:
+        pytest.skip("random evictions may write the line back before the DMA")
+    r = cxlrt.open(backend.spec("check=1"), node=0, create=True, size="4M", nodes=2)
+    off = r.heap[0]
+    r.store(off, b"x" * 4096)  # in node 0's cache only
+    w = StagingWindow(r, size="64K", slots=1)
+    h = w.prefetch(off, 4096)
+    with pytest.raises(cxlrt.CoherenceError):
+        w.wait(h, timeout=30)
+    w.release(h)  # a failed handle holds no room, but is released like any other
+    r.persist(off, 4096)  # the fixed protocol: publish, then stage
+    h = w.prefetch(off, 4096)
+    assert bytes(w.wait(h, timeout=30)) == b"x" * 4096
+    w.close()
+    r.close()
+
+
+def _use_inherited(w, h):
+    """In a forked child: every call on the parent's window is a clear error, and
+    dropping it (with a view of it alive) neither hangs nor crashes."""
+    msgs = []
+    for call in (lambda: w.prefetch(w.region.heap[0], 64), lambda: w.wait(h),
+                 lambda: w.release(h), w.stats, lambda: w.ready(h)):
+        try:
+            call()
+        except cxlrt.StagingError as e:
+            msgs.append(str(e))
+    w.close()
+    return msgs
+
+
+def test_a_window_does_not_survive_fork(backend):
+    r, w, h, v, data = _one_waited(backend, 64 * KIB, 10)
+    msgs, = raise_failures(run_procs(_use_inherited, [(w, h)]))
+    assert len(msgs) == 5 and all("does not survive fork" in m for m in msgs), msgs
+    assert v.tobytes() == data  # the parent's window is untouched
+    del v
+    w.release(h)
+    w.close()
+    r.close()

@@ -517,6 +517,55 @@ cdef class KVCache:
                     "its pins no longer counted. Release the hit and look the keys up again")
         return self._raise(rc, what)
 
+    def prefetch(self, Hit hit not None, window, *, start=0):
+        """Issue the hit's blocks ``[start:]``, in order, to a StagingWindow over this
+        cache's region; a later ``load(hit)`` consumes them as they are staged (the
+        copy of block i overlaps the staging of block i+1). Releasing the hit
+        releases what load() did not consume. HyMCache's request-level prefetch."""
+        from cxlrt.staging import StagingWindow
+        self._need_hit(hit)
+        if not isinstance(window, StagingWindow):
+            raise TypeError(f"window must be a StagingWindow, not {type(window).__name__}")
+        if window.region is not self.region:
+            raise ValueError("the window must read this cache's region")
+        if hit._staged is not None:
+            raise ValueError("this hit's blocks were prefetched already")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= hit.n:
+            raise ValueError(f"start must be an int in 0..{hit.n}, got {start!r}")
+        cdef uint64_t i, bb = self.block_bytes
+        cdef int rc = 0
+        for i in range(start, hit.n):  # each payload is checked before its staging copy
+            with nogil:
+                rc = self._check_payload(hit, i)
+            if rc != 0:
+                self._raise_stale(hit, i, rc, "prefetch")
+        hs = window.prefetch_many([(hit.offs[i] + KV_PAYLOAD_HDR, bb)
+                                   for i in range(start, hit.n)])
+        hit._staged = (window, [0] * start + hs)
+
+    cdef int _load_staged(self, Hit hit, uint64_t i, char* p) except -1:
+        """Block i of a prefetched hit into p: wait for its staged copy, take it, and
+        check the payload once more (prefetch checked it before the staging copy);
+        0, or 1 when block i was not staged."""
+        w, hs = hit._staged
+        cdef uint64_t h = hs[i]
+        cdef const unsigned char[::1] v
+        cdef int rc = 0
+        if h == 0:
+            return 1
+        hs[i] = 0
+        try:
+            v = w.wait(h)
+            with nogil:
+                memcpy(p, &v[0], self.block_bytes)
+                rc = self._check_payload(hit, i)
+            del v
+        finally:
+            w.release(h)
+        if rc != 0:
+            self._raise_stale(hit, i, rc, "load")
+        return 0
+
     def load(self, Hit hit not None, out=None, *, start=0):
         """Copy the hit's blocks ``[start:]`` into `out` and return it.
 
@@ -526,7 +575,8 @@ cdef class KVCache:
         of shape (n, block_bytes). A CUDA tensor is filled by asynchronous copies
         from host-registered memory (the call waits for them before returning).
         The payload header is checked before and after each copy, so a block
-        that is not the stored one raises instead of being returned.
+        that is not the stored one raises instead of being returned. Blocks that
+        ``prefetch(hit, window)`` issued come from the window as it stages them.
         """
         self._need_hit(hit)
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= hit.n:
@@ -536,6 +586,8 @@ cdef class KVCache:
         if out is None:
             import numpy as np
             out = np.empty((n, bb), dtype=np.uint8)
+        if n == 0:  # a miss, or start == len(hit): nothing to copy, nothing to check
+            return out
         from cxlrt._buffers import cuda_target, destinations
         if cuda_target(out):
             from cxlrt._cuda import load_cuda
@@ -545,9 +597,19 @@ cdef class KVCache:
         cdef unsigned char[::1] mv
         cdef char* p
         cdef int rc = 0
+        if hit._staged is not None:
+            # Staged blocks before `start` would hold the window's room while we wait
+            # for later ones, in a window that refills in order: let them go.
+            w, hs = hit._staged
+            for i in range(first):
+                if hs[i]:
+                    h, hs[i] = hs[i], 0
+                    w.release(h)
         for i in range(n):
             mv = dst[i]
             p = <char*>&mv[0]
+            if hit._staged is not None and self._load_staged(hit, first + i, p) == 0:
+                continue
             self.region._busy += 1  # Region.close() refuses while we copy without the GIL
             try:
                 with nogil:
@@ -813,6 +875,7 @@ cdef class Hit:
     cdef char* kb                 # KEY_BYTES per key, copied: the caller's list may change
     cdef readonly bint released
     cdef int owner_pid
+    cdef object _staged           # (StagingWindow, handle per block, 0: none) after prefetch
 
     cdef int _fill(self, keys) except -1:
         """Validate `keys` (a sequence of 16-byte bytes) and copy them in."""
@@ -863,10 +926,26 @@ cdef class Hit:
                 and self.cache._pt is not None and self.cache.region is not None
                 and self.cache.region.backend is not None and not self.cache.r.closed)
 
+    cdef void _drop_staged(self) noexcept:
+        """Release what a prefetch staged and load() did not consume, before the pins
+        go: a window must not copy a block another writer may then own (best effort:
+        a window closed or inherited over fork has nothing left to stop)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        w, hs = staged
+        for h in hs:
+            if h:
+                try:
+                    w.release(h)
+                except Exception:
+                    pass
+
     def release(self):
-        """Unpin the blocks (idempotent)."""
+        """Unpin the blocks (idempotent), after releasing any staged copies of them."""
         cdef int rc = 0
         cdef uint64_t st[KV_ST_WORDS]
+        self._drop_staged()
         mine = self._mine()
         self.released = True
         if mine:
@@ -886,6 +965,7 @@ cdef class Hit:
     def __dealloc__(self):
         # Never waits for a lock (see KVCache._try_unpin); an error is dropped, as
         # release() would have raised it to nobody.
+        self._drop_staged()
         if self._mine() and self.cache._try_unpin(self.slots, self.n) == -EBUSY:
             self.cache._orphan(self.slots, self.n)
         free(self.slots)

@@ -16,7 +16,8 @@ Protocol (every field below lives in `sw_ctx` and changes only under its mutex):
   and marks it READY (or FAILED with the copy's status). Only then does it look at the
   next request: completion order is issue order.
 - release() frees a request's bytes and slot at once (a QUEUED one is skipped when
-  its turn comes; a COPYING one is cancelled at the next piece).
+  its turn comes; a COPYING one is cancelled at the next piece, and release() waits
+  for that, so no copy of a released object is in flight when it returns).
 - wait() sleeps on a condition variable without the GIL. A wait that could only end
   after a release the waiting thread has not made (the next request does not fit, and
   no copy is in flight) raises StagingStalled instead of hanging.
@@ -486,7 +487,8 @@ cdef class StagingWindow:
 
     def release(self, uint64_t h):
         """Give `h`'s room back at once (a queued handle is never staged; a copy in
-        flight stops). Refused while a view of its bytes is alive."""
+        flight stops at its next 1 MiB piece, and release() returns after that: the
+        window never reads the object again). Refused while a view of it is alive."""
         cdef sw_req* q
         cdef int rc, views = 0
         self._need_process()
@@ -498,7 +500,12 @@ cdef class StagingWindow:
                 views = q.views
                 if views == 0:
                     if q.state == SW_COPYING:
+                        # Stop the copy, and return only once the refill thread has let
+                        # go of the object: the caller may then give up its right to it
+                        # (a KV hit unpins its blocks).
                         q.cancel = 1
+                        while _req(&self.c, h).state == SW_COPYING:
+                            pthread_cond_wait(&self.c.done, &self.c.m)
                     else:
                         if q.state == SW_READY:
                             _unstage(&self.c, q)

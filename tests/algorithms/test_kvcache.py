@@ -140,6 +140,10 @@ def test_load_targets(backend):
         else:
             with pytest.raises(cxlrt.UnsupportedError):
                 c.views(hit)
+        assert c.load(hit, start=3).shape == (0, BB)  # nothing left to load
+    with c.lookup(c.block_hashes(chain(1, 3))) as miss:  # a miss loads as empty too
+        assert len(miss) == 0 and c.load(miss).shape == (0, BB)
+        assert c.load(miss, bytearray(0)) == bytearray(0)
     r.close()
 
 

@@ -298,3 +298,112 @@ def test_a_window_does_not_survive_fork(backend):
     w.release(h)
     w.close()
     r.close()
+
+
+# --- the KV cache over a window (HyMCache's request-level prefetch) ---------------------
+
+def _kv(r, n, bb=32 * KIB, cap=64, salt=b"stage"):
+    cache = cxlrt.KVCache(r, "staged", block_bytes=bb, capacity_blocks=cap)
+    keys = cxlrt.block_hashes(range(16 * n), 16, salt=salt)
+    blocks = [_block(k, bb) for k in keys]
+    assert cache.store(keys, blocks) == keys
+    return cache, keys, blocks
+
+
+def _block(key: bytes, bb: int) -> np.ndarray:
+    """Bytes derived from the key, so every process can check a load."""
+    return np.frombuffer((key * (bb // len(key) + 1))[:bb], np.uint8)
+
+
+def test_a_prefetched_hit_loads_the_stored_blocks(backend):
+    r = backend.create(size="16M")
+    cache, keys, blocks = _kv(r, 12)
+    w = StagingWindow(r, size=4 * 32 * KIB, slots=4)
+    with cache.lookup(keys) as hit:
+        cache.prefetch(hit, w)
+        out = cache.load(hit)
+        assert all(np.array_equal(out[i], blocks[i]) for i in range(12))
+        assert w.stats()["copied"] == 12 * 32 * KIB  # every block came through the window
+        assert w.stats()["bytes_in_use"] == 0
+        with pytest.raises(ValueError, match="prefetched already"):
+            cache.prefetch(hit, w)
+        again = cache.load(hit, start=3)  # nothing staged any more: the direct path
+        assert np.array_equal(again[0], blocks[3])
+    other = cxlrt.open(f"file:{backend.root}/other", node=0, create=True, size="4M", nodes=1)
+    with cache.lookup(keys) as hit, pytest.raises(ValueError, match="this cache's region"):
+        cache.prefetch(hit, StagingWindow(other, size="1M"))
+    other.close()
+    with cache.lookup(keys) as hit, pytest.raises(TypeError):
+        cache.prefetch(hit, object())
+    w.close()
+    cache.close()
+    r.close()
+
+
+def test_releasing_a_prefetched_hit_releases_what_load_left(backend):
+    r = backend.create(size="16M")
+    cache, keys, blocks = _kv(r, 8, cap=8)
+    w = StagingWindow(r, size=2 * 32 * KIB, slots=2)
+    hit = cache.lookup(keys)
+    cache.prefetch(hit, w)
+    out = cache.load(hit, start=6)  # blocks 0-5 were staged (or queued), never consumed
+    assert np.array_equal(out[1], blocks[7])
+    hit.release()
+    st = w.stats()
+    assert st["staged"] == 0 and st["bytes_in_use"] == 0 and st["queued"] == 0
+    # Unpinned: a store of new blocks may evict all of them.
+    new = cxlrt.block_hashes(range(10**6, 10**6 + 16 * 8), 16, salt=b"stage")
+    assert cache.store(new, [_block(k, 32 * KIB) for k in new]) == new
+    with cache.lookup(keys) as hit:
+        assert len(hit) == 0
+    w.close()
+    cache.close()
+    r.close()
+
+
+def _prefetching_reader(case, node, keys, rounds):
+    """Look up, prefetch through this process's window, load, check every byte."""
+    r = case.open(node)
+    cache = cxlrt.KVCache(r, "staged", block_bytes=32 * KIB, capacity_blocks=24)
+    loaded = 0
+    with StagingWindow(r, size=3 * 32 * KIB, slots=3) as w:
+        for _ in range(rounds):
+            with cache.lookup(keys) as hit:
+                cache.prefetch(hit, w)
+                out = cache.load(hit)
+                for i in range(len(hit)):
+                    assert np.array_equal(out[i], _block(keys[i], 32 * KIB)), f"block {i}"
+                loaded += len(hit)
+                short = len(hit) < len(keys)
+            if short:  # evicted meanwhile: put the chain back, as an engine would
+                cache.store(keys, [_block(k, 32 * KIB) for k in keys])
+    cache.close()
+    r.close()
+    return loaded
+
+
+def test_prefetching_readers_never_see_another_writers_bytes(backend):
+    """Readers on three nodes prefetch and load while node 0 keeps storing new blocks
+    into a cache too small for all of them, evicting whatever is not pinned."""
+    r = backend.create(size="16M", nodes=4)
+    cache, keys, _ = _kv(r, 10, cap=24)
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            ks = cxlrt.block_hashes(range(10**7 + i, 10**7 + i + 16 * 4), 16, salt=b"stage")
+            cache.store(ks, [_block(k, 32 * KIB) for k in ks])
+            i += 16 * 4
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        got = raise_failures(run_procs(_prefetching_reader,
+                                       [(backend, n, keys, 15) for n in (1, 2, 3)]))
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert all(g > 0 for g in got), got  # every reader loaded blocks through its window
+    cache.close()
+    r.close()

@@ -50,9 +50,9 @@ def _unregister(base: int, size: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(base + at)
 
 
-def load_cuda(cache: Any, hit: Any, out: Any, start: int) -> None:
+def load_cuda(cache: Any, hit: Any, out: Any, start: int, stop: int) -> None:
     import torch
-    n = len(hit) - start
+    n = stop - start
     bb = cache.block_bytes
     if not out.is_contiguous():
         raise ValueError("out: the CUDA tensor must be contiguous")
@@ -62,7 +62,7 @@ def load_cuda(cache: Any, hit: Any, out: Any, start: int) -> None:
     stream = torch.cuda.current_stream(out.device)
     if Caps.MAPPABLE in cache.region.caps:
         _register(cache.region)
-        for i, v in enumerate(cache.views(hit)[start:]):
+        for i, v in enumerate(cache.views(hit)[start:stop]):
             with warnings.catch_warnings():  # read-only source: torch warns, we only read
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.from_numpy(np.frombuffer(v, dtype=np.uint8))
@@ -70,6 +70,6 @@ def load_cuda(cache: Any, hit: Any, out: Any, start: int) -> None:
         cache._count_loaded(n * bb)
     else:
         staging = torch.empty(n * bb, dtype=torch.uint8, pin_memory=True)
-        cache.load(hit, staging, start=start)
+        cache.load(hit, staging, start=start, stop=stop)
         dst[:n * bb].copy_(staging, non_blocking=True)
     stream.synchronize()

@@ -566,8 +566,8 @@ cdef class KVCache:
             self._raise_stale(hit, i, rc, "load")
         return 0
 
-    def load(self, Hit hit not None, out=None, *, start=0):
-        """Copy the hit's blocks ``[start:]`` into `out` and return it.
+    def load(self, Hit hit not None, out=None, *, start=0, stop=None):
+        """Copy the hit's blocks ``[start:stop]`` into `out` and return it.
 
         `out` is one writable C-contiguous buffer (numpy array, CPU torch tensor,
         bytearray) of at least n * block_bytes bytes, or a sequence of n such
@@ -581,8 +581,12 @@ cdef class KVCache:
         self._need_hit(hit)
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= hit.n:
             raise ValueError(f"start must be an int in 0..{hit.n}, got {start!r}")
+        if stop is None:
+            stop = hit.n
+        if isinstance(stop, bool) or not isinstance(stop, int) or not start <= stop <= hit.n:
+            raise ValueError(f"stop must be an int in {start}..{hit.n}, got {stop!r}")
         cdef uint64_t first = start
-        cdef uint64_t n = hit.n - first, bb = self.block_bytes, i
+        cdef uint64_t n = stop - start, bb = self.block_bytes, i
         if out is None:
             import numpy as np
             out = np.empty((n, bb), dtype=np.uint8)
@@ -591,7 +595,7 @@ cdef class KVCache:
         from cxlrt._buffers import cuda_target, destinations
         if cuda_target(out):
             from cxlrt._cuda import load_cuda
-            load_cuda(self, hit, out, start)
+            load_cuda(self, hit, out, start, stop)
             return out
         cdef list dst = destinations(out, n, bb)
         cdef unsigned char[::1] mv

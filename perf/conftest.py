@@ -76,6 +76,9 @@ SPECS = {
     # modelled latency. `emu-check` adds the checker, for information only.
     "emu": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0",
     "emu-check": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=1",
+    # A capacity tier slower than memory: DMA at a modelled 2 or 8 GB/s (test_staging.py).
+    "emu-2GBps": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0&bw=2",
+    "emu-8GBps": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0&bw=8",
 }
 LABELS = {"file": "file", "emu": "emu", "emu-check": "emu check=1"}  # others: the case as is
 

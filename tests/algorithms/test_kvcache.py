@@ -141,6 +141,11 @@ def test_load_targets(backend):
             with pytest.raises(cxlrt.UnsupportedError):
                 c.views(hit)
         assert c.load(hit, start=3).shape == (0, BB)  # nothing left to load
+        assert c.load(hit, start=1, stop=2).tobytes() == want[1]  # one block of the middle
+        assert c.load(hit, start=2, stop=2).shape == (0, BB)
+        for bad in ({"stop": 4}, {"start": 2, "stop": 1}, {"stop": True}, {"stop": 1.0}):
+            with pytest.raises(ValueError, match="stop must be"):
+                c.load(hit, **bad)
     with c.lookup(c.block_hashes(chain(1, 3))) as miss:  # a miss loads as empty too
         assert len(miss) == 0 and c.load(miss).shape == (0, BB)
         assert c.load(miss, bytearray(0)) == bytearray(0)

@@ -329,6 +329,11 @@ def test_a_prefetched_hit_loads_the_stored_blocks(backend):
             cache.prefetch(hit, w)
         again = cache.load(hit, start=3)  # nothing staged any more: the direct path
         assert np.array_equal(again[0], blocks[3])
+    with cache.lookup(keys) as hit:  # one block at a time, as an engine consumes them
+        cache.prefetch(hit, w)
+        for i in range(12):
+            assert np.array_equal(cache.load(hit, start=i, stop=i + 1)[0], blocks[i])
+        assert w.stats()["copied"] == 2 * 12 * 32 * KIB
     other = cxlrt.open(f"file:{backend.root}/other", node=0, create=True, size="4M", nodes=1)
     with cache.lookup(keys) as hit, pytest.raises(ValueError, match="this cache's region"):
         cache.prefetch(hit, StagingWindow(other, size="1M"))

@@ -34,6 +34,7 @@ from cxlrt.errors import (
 )
 from cxlrt.hashing import block_hashes
 from cxlrt.kvcache import Hit, KVCache
+from cxlrt.kvmanager import KVManager
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 from cxlrt.staging import StagingWindow
@@ -42,10 +43,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost",
-    "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "LayoutVersionError",
-    "LeaseLost", "LockTimeout", "NoLockManager", "NodeRangeError", "NotARegionError",
-    "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError", "RegionError",
-    "RegionSizeError", "SchemeMismatchError", "StagingError", "StagingHandleError",
+    "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "KVManager",
+    "LayoutVersionError", "LeaseLost", "LockTimeout", "NoLockManager", "NodeRangeError",
+    "NotARegionError", "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError",
+    "RegionError", "RegionSizeError", "SchemeMismatchError", "StagingError", "StagingHandleError",
     "StagingStalled", "StagingTimeout", "StagingWindow", "UnsupportedError", "block_hashes",
     "format", "inspect", "open", "parse_size", "parse_spec",
 ]

@@ -412,3 +412,71 @@ def test_prefetching_readers_never_see_another_writers_bytes(backend):
     assert all(g > 0 for g in got), got  # every reader loaded blocks through its window
     cache.close()
     r.close()
+
+
+# --- the KV manager: per-request windows within a budget ----------------------------------
+
+def test_the_kv_manager_divides_its_budget_and_never_stalls(backend):
+    from cxlrt.kvmanager import KVManager
+    r = backend.create(size="8M")
+    objs = _objects(r, [96 * KIB] * 4, 11)
+    m = KVManager(r, budget="1M", per_request="384K", slots=4)  # min_window: 96 KiB
+    a, b, c = m.open("a"), m.open("b"), m.open("c")
+    assert (a.size, b.size, c.size) == (384 * KIB, 384 * KIB, 256 * KIB)  # c: what was left
+    assert m.open("d") is None  # nothing left: load directly, do not wait
+    assert m.stats() == {"budget": 1 << 20, "in_use": 1 << 20, "open": 3, "opened": 3,
+                         "shrunk": 1, "refused": 1}
+    with pytest.raises(ValueError, match="already has a window"):
+        m.open("a")
+    m.close("b")
+    with pytest.raises(KeyError):
+        m.close("b")
+    assert b.closed
+    with m.request("d") as d:  # b's bytes came back
+        assert d.size == 384 * KIB
+        hs = d.prefetch_many([(o, len(x)) for o, x in objs])
+        for h, (_, data) in zip(hs, objs, strict=True):
+            assert bytes(d.wait(h, timeout=30)) == data
+            d.release(h)
+    assert d.closed and m.stats()["in_use"] == 640 * KIB
+    for bad in ({"budget": 0}, {"per_request": -1}, {"slots": 0}, {"per_request": True},
+                {"budget": "1M", "min_window": "2M"}):
+        with pytest.raises(ValueError):
+            KVManager(r, **bad)
+    r.close()  # closes the windows still open; the manager only forgets them
+    assert a.closed and c.closed
+    m.close_all()
+    assert m.stats()["in_use"] == 0 and m.stats()["open"] == 0
+
+
+def test_kv_manager_windows_stay_within_the_budget_under_concurrency(backend):
+    from cxlrt.kvmanager import KVManager
+    r = backend.create(size="8M")
+    (off, data), = _objects(r, [64 * KIB], 12)
+    m = KVManager(r, budget="512K", per_request="192K", slots=2)
+    errors, over = [], []
+
+    def client(k):
+        try:
+            for i in range(30):
+                with m.request((k, i)) as w:
+                    st = m.stats()
+                    if st["in_use"] > st["budget"]:
+                        over.append(st)
+                    if w is not None:
+                        h = w.prefetch(off, len(data))
+                        if bytes(w.wait(h, timeout=30)) != data:
+                            errors.append((k, i))
+                        w.release(h)
+        except Exception as e:
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not errors and not over, (errors, over)
+    st = m.stats()
+    assert st["opened"] + st["refused"] == 180 and st["in_use"] == 0 and st["open"] == 0
+    r.close()

@@ -535,18 +535,31 @@ cdef class KVCache:
         cdef uint64_t i, bb = self.block_bytes
         cdef int rc = 0
         for i in range(start, hit.n):  # each payload is checked before its staging copy
-            with nogil:
-                rc = self._check_payload(hit, i)
+            rc = self._check_busy(hit, i)
             if rc != 0:
                 self._raise_stale(hit, i, rc, "prefetch")
         hs = window.prefetch_many([(hit.offs[i] + KV_PAYLOAD_HDR, bb)
                                    for i in range(start, hit.n)])
         hit._staged = (window, [0] * start + hs)
 
+    cdef int _check_busy(self, Hit hit, uint64_t i) except? -1:
+        """_check_payload without the GIL, counted in region._busy as every copy is:
+        Region.close() must not unmap under it."""
+        cdef int rc
+        self.region._busy += 1
+        try:
+            with nogil:
+                rc = self._check_payload(hit, i)
+        finally:
+            self.region._busy -= 1
+        return rc
+
     cdef int _load_staged(self, Hit hit, uint64_t i, char* p) except -1:
         """Block i of a prefetched hit into p: wait for its staged copy, take it, and
         check the payload once more (prefetch checked it before the staging copy);
-        0, or 1 when block i was not staged."""
+        0, or 1 when the caller must copy it directly: not staged, or the window
+        cannot deliver it (stalled by another consumer, closed, inherited over fork)."""
+        from cxlrt.errors import RegionClosedError, StagingError
         w, hs = hit._staged
         cdef uint64_t h = hs[i]
         cdef const unsigned char[::1] v
@@ -555,16 +568,36 @@ cdef class KVCache:
             return 1
         hs[i] = 0
         try:
-            v = w.wait(h)
-            with nogil:
+            try:
+                v = w.wait(h)
+            except (StagingError, RegionClosedError):
+                return 1
+            with nogil:  # window to caller: no region memory, nothing for _busy
                 memcpy(p, &v[0], self.block_bytes)
-                rc = self._check_payload(hit, i)
             del v
+            rc = self._check_busy(hit, i)
         finally:
-            w.release(h)
+            try:
+                w.release(h)
+            except (StagingError, RegionClosedError):
+                pass
         if rc != 0:
             self._raise_stale(hit, i, rc, "load")
         return 0
+
+    cdef void _unstage_range(self, Hit hit, uint64_t a, uint64_t b) except *:
+        """Release the staged handles of blocks [a, b) that nobody will consume."""
+        from cxlrt.errors import RegionClosedError, StagingError
+        if hit._staged is None:
+            return
+        w, hs = hit._staged
+        for i in range(a, b):
+            if hs[i]:
+                h, hs[i] = hs[i], 0
+                try:
+                    w.release(h)
+                except (StagingError, RegionClosedError):
+                    pass
 
     def load(self, Hit hit not None, out=None, *, start=0, stop=None):
         """Copy the hit's blocks ``[start:stop]`` into `out` and return it.
@@ -594,6 +627,7 @@ cdef class KVCache:
             return out
         from cxlrt._buffers import cuda_target, destinations
         if cuda_target(out):
+            self._unstage_range(hit, first, first + n)  # the CUDA path reads the region
             from cxlrt._cuda import load_cuda
             load_cuda(self, hit, out, start, stop)
             return out
@@ -601,14 +635,9 @@ cdef class KVCache:
         cdef unsigned char[::1] mv
         cdef char* p
         cdef int rc = 0
-        if hit._staged is not None:
-            # Staged blocks before `start` would hold the window's room while we wait
-            # for later ones, in a window that refills in order: let them go.
-            w, hs = hit._staged
-            for i in range(first):
-                if hs[i]:
-                    h, hs[i] = hs[i], 0
-                    w.release(h)
+        # Staged blocks before `start` would hold the window's room while we wait for
+        # later ones, in a window that refills in order: let them go.
+        self._unstage_range(hit, 0, first)
         for i in range(n):
             mv = dst[i]
             p = <char*>&mv[0]
@@ -648,10 +677,15 @@ cdef class KVCache:
         cdef int rc
         out = []
         for i in range(hit.n):
-            with nogil:
-                rc = self._check_payload(hit, i)
-                if rc == 0 and not self.r.caps & CXL_CAP_COHERENT:
-                    rc = cxl_flush(self.r, hit.offs[i] + KV_PAYLOAD_HDR, self.block_bytes)
+            self.region._busy += 1  # Region.close() refuses while we run without the GIL
+            try:
+                with nogil:
+                    rc = self._check_payload(hit, i)
+                    if rc == 0 and not self.r.caps & CXL_CAP_COHERENT:
+                        rc = cxl_flush(self.r, hit.offs[i] + KV_PAYLOAD_HDR,
+                                       self.block_bytes)
+            finally:
+                self.region._busy -= 1
             if rc != 0:
                 self._raise_stale(hit, i, rc, "views")
             out.append(self.region.view(hit.offs[i] + KV_PAYLOAD_HDR,
@@ -862,7 +896,8 @@ cdef class KVCache:
                 f"capacity={self.capacity} on {self.region.spec}>")
 
 
-@cython.no_gc  # refers only to its cache and bytes: it cannot be part of a cycle
+@cython.no_gc  # refers only to its cache, bytes and staged handles (a window, a list of
+# ints): it cannot be part of a cycle, so the collector never clears it before dealloc
 cdef class Hit:
     """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``.
 

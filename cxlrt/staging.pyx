@@ -18,9 +18,11 @@ Protocol (every field below lives in `sw_ctx` and changes only under its mutex):
 - release() frees a request's bytes and slot at once (a QUEUED one is skipped when
   its turn comes; a COPYING one is cancelled at the next piece, and release() waits
   for that, so no copy of a released object is in flight when it returns).
-- wait() sleeps on a condition variable without the GIL. A wait that could only end
-  after a release the waiting thread has not made (the next request does not fit, and
-  no copy is in flight) raises StagingStalled instead of hanging.
+- wait() sleeps on a condition variable without the GIL. A wait without a timeout
+  that could only end after a release (the next request does not fit, and no copy is
+  in flight) raises StagingStalled instead of hanging; one with a timeout waits for
+  another thread's release. Every release clears the stall until the refill thread
+  has looked again.
 The window's bytes are this process's memory: the copy is a DMA read of the region
 (cxl_dma_read), so it sees what stores published, whatever this node's view caches.
 """
@@ -61,6 +63,7 @@ cdef extern from "<pthread.h>" nogil:
 
 
 DEF PIECE = 1 << 20  # bytes a copy moves between looks at cancel and stop
+MAX_SLOTS = 1 << 16
 
 cdef enum sw_state:
     SW_RELEASED = 0
@@ -89,6 +92,8 @@ ctypedef struct sw_ctx:
     uint64_t next        # the handle prefetch() gives next
     uint64_t stage       # the handle the refill thread takes next
     uint64_t staged, bytes_in_use, peak_bytes, copied, stalls
+    uint64_t* live       # the `staged` handles that hold room (COPYING, READY), any order
+    uint64_t* spans      # scratch for _place: (at, n) of each, 2 * slots words
     int copying          # a copy is in flight (no lock held)
     int stalled          # the request `stage` waits for room
     int stop
@@ -122,32 +127,24 @@ cdef int _by_at(const void* a, const void* b) noexcept nogil:
 
 cdef int _place(sw_ctx* c, uint64_t n, uint64_t* at) noexcept nogil:
     """First gap of the window that holds n bytes, among the staged requests (mutex
-    held): 1 placed at `at`, 0 no room now, -1 out of memory."""
-    cdef uint64_t* spans
-    cdef uint64_t h, k = 0, pos = 0, i
+    held): 1 placed at `at`, 0 no room now. O(slots log slots), whatever the number
+    of handles issued and not yet released."""
+    cdef uint64_t* spans = c.spans
+    cdef uint64_t k, pos = 0, i
     cdef sw_req* q
     cdef int found = 0
     if c.staged >= c.slots or c.bytes_in_use + n > c.size:
         return 0
-    if c.staged == 0:
-        at[0] = 0
-        return 1
-    spans = <uint64_t*>calloc(2 * c.staged, sizeof(uint64_t))
-    if spans == NULL:
-        return -1
-    for h in range(c.lo, c.stage):
-        q = _req(c, h)
-        if (q.state == SW_COPYING or q.state == SW_READY) and k < c.staged:
-            spans[2 * k] = q.at
-            spans[2 * k + 1] = q.n
-            k += 1
-    qsort(spans, k, 2 * sizeof(uint64_t), _by_at)
-    for i in range(k):
+    for k in range(c.staged):
+        q = _req(c, c.live[k])
+        spans[2 * k] = q.at
+        spans[2 * k + 1] = q.n
+    qsort(spans, c.staged, 2 * sizeof(uint64_t), _by_at)
+    for i in range(c.staged):
         if spans[2 * i] - pos >= n:
             found = 1
             break
         pos = spans[2 * i] + spans[2 * i + 1]
-    free(spans)
     if not found and c.size - pos < n:
         return 0
     at[0] = pos
@@ -162,10 +159,15 @@ cdef void _advance(sw_ctx* c) noexcept nogil:
         c.stage = c.lo
 
 
-cdef void _unstage(sw_ctx* c, sw_req* q) noexcept nogil:
-    """Give a staged request's bytes and slot back (mutex held)."""
+cdef void _unstage(sw_ctx* c, uint64_t h) noexcept nogil:
+    """Give staged request h's bytes and slot back (mutex held)."""
+    cdef uint64_t k
+    for k in range(c.staged):
+        if c.live[k] == h:
+            c.live[k] = c.live[c.staged - 1]
+            break
     c.staged -= 1
-    c.bytes_in_use -= q.n
+    c.bytes_in_use -= _req(c, h).n
     c.stalled = 0  # the refill thread looks again before anyone may call it a stall
 
 
@@ -195,13 +197,9 @@ cdef void* _refill_main(void* arg) noexcept nogil:
         h = c.stage
         c.stage += 1
         c.stalled = 0
-        if got < 0:
-            q.state = SW_FAILED
-            q.rc = -12  # -ENOMEM
-            pthread_cond_broadcast(&c.done)
-            continue
         q.at = at
         q.state = SW_COPYING
+        c.live[c.staged] = h
         c.staged += 1
         c.bytes_in_use += q.n
         if c.bytes_in_use > c.peak_bytes:
@@ -227,11 +225,11 @@ cdef void* _refill_main(void* arg) noexcept nogil:
         c.copying = 0
         c.copied += pos
         if q.cancel:
-            _unstage(c, q)
+            _unstage(c, h)
             q.state = SW_RELEASED
             _advance(c)
         elif rc != 0 or pos < n:
-            _unstage(c, q)
+            _unstage(c, h)
             q.state = SW_FAILED
             q.rc = rc
         else:
@@ -266,7 +264,8 @@ cdef int _check(sw_ctx* c, uint64_t h) noexcept nogil:
 
 cdef int _wait(sw_ctx* c, uint64_t h, double timeout, sw_req* out) noexcept nogil:
     """Until h is READY (SW_OK, with one more view counted), FAILED (its copy's
-    status), or one of SW_*; `out` gets the request as it then was."""
+    status), or one of SW_*; `out` gets the request as it then was. `timeout` < 0
+    waits for ever, except when nothing but a release could end the wait."""
     cdef timespec until
     cdef sw_req* q
     cdef int rc
@@ -293,8 +292,8 @@ cdef int _wait(sw_ctx* c, uint64_t h, double timeout, sw_req* out) noexcept nogi
             rc = q.rc
             out[0] = q[0]
             break
-        if c.stalled and not c.copying and h >= c.stage:
-            rc = SW_STALLED
+        if timeout < 0 and c.stalled and not c.copying and h >= c.stage:
+            rc = SW_STALLED  # with a timeout, another thread's release may still come
             break
         if timeout < 0:
             pthread_cond_wait(&c.done, &c.m)
@@ -320,19 +319,19 @@ cdef class StagingWindow:
     cdef sw_ctx c
     cdef readonly Region region
     cdef unsigned long _tid
+    cdef pthread_mutex_t _jm     # one closer joins; any other waits for it (then unmaps)
     cdef int _pid                # the process whose refill thread this is
-    cdef bint _started, _closed
+    cdef bint _started, _closed, _joined
     cdef readonly uint64_t size, slots
     cdef object __weakref__  # Region.close() closes its windows first (a WeakSet)
 
     def __cinit__(self, Region region not None, size=128 << 20, slots=8):
         from cxlrt.spec import parse_size
         cdef uint64_t nbytes = parse_size(size) if isinstance(size, str) else size
-        cdef uint64_t cap = 16
         if nbytes == 0:
             raise ValueError("a staging window needs size > 0")
-        if slots < 1 or slots > (1 << 20):
-            raise ValueError(f"slots must be 1 .. {1 << 20}, not {slots}")
+        if slots < 1 or slots > MAX_SLOTS:
+            raise ValueError(f"slots must be 1 .. {MAX_SLOTS}, not {slots}")
         self.region = region
         self.c.r = region.backend.region()  # raises if the region is closed
         self.size = self.c.size = nbytes
@@ -342,17 +341,18 @@ cdef class StagingWindow:
         if <void*>self.c.buf == MAP_FAILED:
             self.c.buf = NULL
             raise MemoryError(f"cannot map a staging window of {nbytes} bytes")
-        while cap < 2 * self.c.slots:
-            cap *= 2
-        self.c.reqs = <sw_req*>calloc(cap, sizeof(sw_req))
-        if self.c.reqs == NULL:
+        self.c.reqs = <sw_req*>calloc(16, sizeof(sw_req))  # grows with the handles in use
+        self.c.live = <uint64_t*>calloc(self.c.slots, sizeof(uint64_t))
+        self.c.spans = <uint64_t*>calloc(2 * self.c.slots, sizeof(uint64_t))
+        if self.c.reqs == NULL or self.c.live == NULL or self.c.spans == NULL:
             raise MemoryError("staging window requests")
-        self.c.cap = cap
+        self.c.cap = 16
         self.c.lo = self.c.next = self.c.stage = 1
         cdef pthread_condattr_t attr
         pthread_condattr_init(&attr)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
         cxl_plain_mutex_init(&self.c.m)
+        cxl_plain_mutex_init(&self._jm)
         pthread_cond_init(&self.c.work, &attr)
         pthread_cond_init(&self.c.done, &attr)
         cdef int rc = cxl_thread_start(&self._tid, _refill_main, &self.c)
@@ -370,23 +370,30 @@ cdef class StagingWindow:
         if self.c.buf != NULL:
             munmap(self.c.buf, self.c.size)
         free(self.c.reqs)
+        free(self.c.live)
+        free(self.c.spans)
 
     cdef void _stop(self) noexcept:
-        """Stop and join the refill thread (idempotent); its copy ends at a piece."""
-        if not self._started or self._closed:
+        """Stop and join the refill thread (idempotent); its copy ends at a piece.
+        Every caller returns only after the join: Region.close() unmaps next."""
+        if not self._started:
             return
         self._closed = True
         if self._pid != cxl_pid():
             # A forked child: the refill thread exists only in the parent, and the
-            # mutex may have been copied locked. Touch neither.
+            # mutexes may have been copied locked. Touch neither.
             return
         with nogil:
-            cxl_plain_mutex_lock(&self.c.m)
-            self.c.stop = 1
-            pthread_cond_broadcast(&self.c.work)
-            pthread_cond_broadcast(&self.c.done)
-            cxl_plain_mutex_unlock(&self.c.m)
-            cxl_thread_join(self._tid)
+            cxl_plain_mutex_lock(&self._jm)
+            if not self._joined:
+                cxl_plain_mutex_lock(&self.c.m)
+                self.c.stop = 1
+                pthread_cond_broadcast(&self.c.work)
+                pthread_cond_broadcast(&self.c.done)
+                cxl_plain_mutex_unlock(&self.c.m)
+                cxl_thread_join(self._tid)
+                self._joined = True
+            cxl_plain_mutex_unlock(&self._jm)
 
     def close(self):
         """Stop the refill thread. Idempotent; views already returned stay readable."""
@@ -444,29 +451,39 @@ cdef class StagingWindow:
             q = _req(&self.c, self.c.next)
             q[0] = sw_req(off=off, n=n, at=0, state=SW_QUEUED, rc=0, cancel=0, views=0)
             self.c.next += 1
-        pthread_cond_broadcast(&self.c.work)
+        if rc != 0:
+            self.c.next = first  # all or nothing: the refill thread saw none of them
+        else:
+            pthread_cond_broadcast(&self.c.work)
         cxl_plain_mutex_unlock(&self.c.m)
         if rc != 0:
-            raise MemoryError(f"staging window requests: {self.c.next - first} of "
-                              f"{len(objs)} were issued")
+            raise MemoryError(f"staging window: no memory for {len(objs)} more requests")
         return list(range(first, first + len(objs)))
 
     def wait(self, uint64_t h, timeout=None):
         """The staged bytes of `h` (a read-only memoryview, valid until release).
 
-        Raises StagingTimeout after `timeout` seconds; StagingStalled when `h` can
-        only be staged after a release and no copy is in flight; the copy's error
-        (CoherenceError, OutOfRangeError, ...) when it failed."""
+        Raises StagingTimeout after `timeout` seconds. Without a timeout, a wait that
+        only a release could end (`h` does not fit until one, and no copy is in
+        flight) raises StagingStalled rather than hang; with one, it waits for another
+        thread's release until the timeout. A copy that failed raises its error
+        (CoherenceError, OutOfRangeError, ...)."""
         cdef double t = -1.0 if timeout is None else float(timeout)
         cdef int rc
         cdef sw_req q
-        if timeout is not None and t < 0:
-            raise ValueError("timeout must be >= 0 or None")
+        if timeout is not None and not t >= 0:  # NaN too
+            raise ValueError(f"timeout must be a number >= 0 or None, not {timeout!r}")
+        if t > 1e9:  # 31 years: a wait without end, which the clock arithmetic cannot hold
+            t = -1.0
         self._need_open()
         with nogil:
             rc = _wait(&self.c, h, t, &q)
         if rc == SW_OK:
-            return memoryview(Staged._of(self, h, q.at, q.n))
+            try:
+                return memoryview(Staged._of(self, h, q.at, q.n))
+            except BaseException:
+                self._views(h, -1)  # _wait counted the view we could not hand out
+                raise
         if rc < 0:  # the copy failed
             return self.region._rc(rc, "staging wait", q.off, q.n)
         self._raise(rc, h, "wait", timeout)
@@ -508,9 +525,12 @@ cdef class StagingWindow:
                             pthread_cond_wait(&self.c.done, &self.c.m)
                     else:
                         if q.state == SW_READY:
-                            _unstage(&self.c, q)
+                            _unstage(&self.c, h)
                         q.state = SW_RELEASED
                         _advance(&self.c)
+                    # The refill thread may have stalled on this very handle: nobody
+                    # may call it a stall until it has looked again.
+                    self.c.stalled = 0
                     pthread_cond_broadcast(&self.c.work)
                     pthread_cond_broadcast(&self.c.done)
             cxl_plain_mutex_unlock(&self.c.m)
@@ -523,15 +543,16 @@ cdef class StagingWindow:
     def stats(self):
         """Counters: size, slots, staged, bytes_in_use, peak_bytes, queued, copied
         (bytes), stalls (times the refill thread waited for room)."""
+        cdef sw_ctx snap
         self._need_process()
-        with nogil:
+        with nogil:  # copied under the mutex, turned into objects after it
             cxl_plain_mutex_lock(&self.c.m)
-        d = {"size": self.c.size, "slots": self.c.slots, "staged": self.c.staged,
-             "bytes_in_use": self.c.bytes_in_use, "peak_bytes": self.c.peak_bytes,
-             "queued": self.c.next - self.c.stage, "copied": self.c.copied,
-             "stalls": self.c.stalls}
-        cxl_plain_mutex_unlock(&self.c.m)
-        return d
+            snap = self.c
+            cxl_plain_mutex_unlock(&self.c.m)
+        return {"size": snap.size, "slots": snap.slots, "staged": snap.staged,
+                "bytes_in_use": snap.bytes_in_use, "peak_bytes": snap.peak_bytes,
+                "queued": snap.next - snap.stage, "copied": snap.copied,
+                "stalls": snap.stalls}
 
     def ready(self, uint64_t h):
         """True once `h` is staged and readable (False while queued or copying)."""
@@ -558,6 +579,7 @@ cdef class StagingWindow:
         return 0
 
 
+@cython.no_gc_clear  # its window must outlive every buffer it exports
 cdef class Staged:
     """The buffer behind wait()'s memoryview. It holds one view of its handle, counted
     by wait() under the window's mutex, until the last memoryview of it goes."""

@@ -55,7 +55,8 @@ import hashlib
 import os
 import time
 
-from cxlrt.errors import ClaimLost, DebugBuildRequired, LeaseLost
+from cxlrt.errors import (ClaimLost, DebugBuildRequired, LeaseLost, RegionClosedError,
+                          StagingError)
 from cxlrt.hashing import ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 # the object format's public names, importable from here as before the split
 from cxlrt.kvformat import DIR_PREFIX, FORMAT_MAGIC, FORMAT_VERSION, header_checksum
@@ -559,7 +560,6 @@ cdef class KVCache:
         check the payload once more (prefetch checked it before the staging copy);
         0, or 1 when the caller must copy it directly: not staged, or the window
         cannot deliver it (stalled by another consumer, closed, inherited over fork)."""
-        from cxlrt.errors import RegionClosedError, StagingError
         w, hs = hit._staged
         cdef uint64_t h = hs[i]
         cdef const unsigned char[::1] v
@@ -579,7 +579,7 @@ cdef class KVCache:
         finally:
             try:
                 w.release(h)
-            except (StagingError, RegionClosedError):
+            except (StagingError, RegionClosedError, BufferError):
                 pass
         if rc != 0:
             self._raise_stale(hit, i, rc, "load")
@@ -587,7 +587,6 @@ cdef class KVCache:
 
     cdef void _unstage_range(self, Hit hit, uint64_t a, uint64_t b) except *:
         """Release the staged handles of blocks [a, b) that nobody will consume."""
-        from cxlrt.errors import RegionClosedError, StagingError
         if hit._staged is None:
             return
         w, hs = hit._staged
@@ -627,7 +626,7 @@ cdef class KVCache:
             return out
         from cxlrt._buffers import cuda_target, destinations
         if cuda_target(out):
-            self._unstage_range(hit, first, first + n)  # the CUDA path reads the region
+            self._unstage_range(hit, 0, first + n)  # the CUDA path reads the region
             from cxlrt._cuda import load_cuda
             load_cuda(self, hit, out, start, stop)
             return out

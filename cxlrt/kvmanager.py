@@ -16,7 +16,7 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 from cxlrt.spec import parse_size
-from cxlrt.staging import StagingWindow
+from cxlrt.staging import MAX_SLOTS, StagingWindow
 
 
 def _bytes(what: str, v: int | str) -> int:
@@ -39,8 +39,8 @@ class KVManager:
         self.region = region
         self.budget = _bytes("budget", budget)
         self.per_request = min(_bytes("per_request", per_request), self.budget)
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an int >= 1, not {slots!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be an int in 1..{MAX_SLOTS}, not {slots!r}")
         self.slots = slots
         self.min_window = (self.per_request // slots if min_window is None
                            else _bytes("min_window", min_window))

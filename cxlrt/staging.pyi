@@ -2,6 +2,8 @@ from collections.abc import Iterable
 
 from cxlrt.region import Region
 
+MAX_SLOTS: int
+
 class StagingWindow:
     region: Region
     size: int

@@ -262,10 +262,12 @@ cdef int _check(sw_ctx* c, uint64_t h) noexcept nogil:
     return SW_OK
 
 
-cdef int _wait(sw_ctx* c, uint64_t h, double timeout, sw_req* out) noexcept nogil:
+cdef int _wait(sw_ctx* c, uint64_t h, double timeout, bint verdict,
+               sw_req* out) noexcept nogil:
     """Until h is READY (SW_OK, with one more view counted), FAILED (its copy's
     status), or one of SW_*; `out` gets the request as it then was. `timeout` < 0
-    waits for ever, except when nothing but a release could end the wait."""
+    has no deadline; `verdict` (no timeout given) raises the stall instead of
+    waiting when nothing but a release could end the wait."""
     cdef timespec until
     cdef sw_req* q
     cdef int rc
@@ -292,7 +294,7 @@ cdef int _wait(sw_ctx* c, uint64_t h, double timeout, sw_req* out) noexcept nogi
             rc = q.rc
             out[0] = q[0]
             break
-        if timeout < 0 and c.stalled and not c.copying and h >= c.stage:
+        if verdict and c.stalled and not c.copying and h >= c.stage:
             rc = SW_STALLED  # with a timeout, another thread's release may still come
             break
         if timeout < 0:
@@ -473,17 +475,18 @@ cdef class StagingWindow:
         cdef sw_req q
         if timeout is not None and not t >= 0:  # NaN too
             raise ValueError(f"timeout must be a number >= 0 or None, not {timeout!r}")
-        if t > 1e9:  # 31 years: a wait without end, which the clock arithmetic cannot hold
-            t = -1.0
+        if t > 1e9:  # 31 years: no deadline (the clock arithmetic cannot hold it), but
+            t = -1.0  # still a timeout: another thread's release may end it
         self._need_open()
         with nogil:
-            rc = _wait(&self.c, h, t, &q)
+            rc = _wait(&self.c, h, t, timeout is None, &q)
         if rc == SW_OK:
             try:
-                return memoryview(Staged._of(self, h, q.at, q.n))
+                s = Staged._of(self, h, q.at, q.n)  # from here on, s gives the view back
             except BaseException:
                 self._views(h, -1)  # _wait counted the view we could not hand out
                 raise
+            return memoryview(s)
         if rc < 0:  # the copy failed
             return self.region._rc(rc, "staging wait", q.off, q.n)
         self._raise(rc, h, "wait", timeout)

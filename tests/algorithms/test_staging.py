@@ -165,11 +165,21 @@ def test_a_wait_with_a_timeout_takes_another_threads_release(backend):
     t.start()
     assert bytes(w.wait(h2, timeout=30)) == objs[1][1]
     t.join()
-    w.release(h2)
-    for forever in (float("inf"), 1e19):  # the same as None, not an instant timeout
+    for forever in (float("inf"), 1e19):  # no deadline, yet a timeout: a release may come
+        held = w.wait(h2, timeout=30)
         h = w.prefetch(objs[0][0], len(objs[0][1]))
+
+        def later(v=held, h_=h2):
+            time.sleep(0.05)
+            v.release()
+            w.release(h_)
+
+        t = threading.Thread(target=later)
+        t.start()
+        del held
         assert bytes(w.wait(h, timeout=forever)) == objs[0][1]
-        w.release(h)
+        t.join()
+        h2 = h
     with pytest.raises(ValueError, match="timeout"):
         w.wait(h, timeout=float("nan"))
     w.close()
@@ -530,6 +540,7 @@ def test_the_kv_manager_divides_its_budget_and_never_stalls(backend):
             d.release(h)
     assert d.closed and m.stats()["in_use"] == 640 * KIB
     for bad in ({"budget": 0}, {"per_request": -1}, {"slots": 0}, {"per_request": True},
+                {"slots": (1 << 16) + 1},
                 {"budget": "1M", "min_window": "2M"}):
         with pytest.raises(ValueError):
             KVManager(r, **bad)

@@ -88,6 +88,7 @@ MODULES = [
     ("cxlrt.backends.numa", "backends/numa.pyx"),
     ("cxlrt.backends.dax", "backends/dax.pyx"),
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),
+    ("cxlrt.emulation.chm", "emulation/chm.pyx"),
 ]
 
 

@@ -37,6 +37,9 @@ _known: dict[str, Entry] = {
     "emu": Entry("cxlrt.emulation.noncoherent", "EmuBackend",
                  "part of cxlrt; reinstall with `pip install -e .`",
                  "non-coherent emulation with fault injection and a checker"),
+    "chm": Entry("cxlrt.emulation.chm", "ChmBackend",
+                 "part of cxlrt; reinstall with `pip install -e .`",
+                 "CXL hybrid-memory device model: device DRAM (lru or staging) over an SSD file"),
 }
 known = MappingProxyType(_known)
 """Read-only view of every registered scheme."""

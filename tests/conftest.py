@@ -7,8 +7,12 @@ Every algorithm test takes `backend` and runs unchanged on each of:
   devdax        the dax: backend on $CXLRT_TEST_DAX (a real /dev/daxX.Y, e.g. in the QEMU lab)
   emu           the non-coherent emulation, faults off
   emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
-The emulation never skips. `--backend NAME` narrows the set; `--cxl-seed N`
-replays a faulty run (the seed is in the test id and in every failure report).
+  chm-lru       the CXL hybrid-memory device model, DRAM as a transparent page cache
+  chm-staging   the same device under HyMCache's policy (DMA bypasses DRAM)
+The emulations never skip; the device models run with a DRAM of 64 pages, so
+fills, dirty write-backs and direct SSD requests happen throughout.
+`--backend NAME` narrows the set; `--cxl-seed N` replays a faulty run (the seed is
+in the test id and in every failure report).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ DEFAULT_SEED = 1
 NUMA_NODE = int(os.environ.get("CXLRT_TEST_NUMA_NODE", "0"))
 DAX_DEVICE = os.environ.get("CXLRT_TEST_DAX", "")  # e.g. /dev/dax0.0 in the QEMU CXL lab
 FAULTY = "evict=0.05&delay=1&check=1"
+CHM_SMALL = "dram=256K&page=4K"
 
 
 def pytest_addoption(parser):
     parser.addoption("--backend", action="append", default=[],
-                     help="run only these backend variants (file, emu, emu-faulty); repeatable")
+                     help="run only these backend variants (file, emu, emu-faulty, chm-lru, ...); "
+                          "repeatable")
     parser.addoption("--cxl-seed", type=int, default=None,
                      help=f"fault-injection seed for emu-faulty (default {DEFAULT_SEED})")
 
@@ -54,7 +60,7 @@ class BackendCase:
 
     @property
     def coherent(self) -> bool:
-        return self.scheme in ("file", "numa")
+        return self.scheme in ("file", "numa", "chm")
 
     def spec(self, extra: str = "") -> str:
         q = "&".join(p for p in (self.params, extra) if p)
@@ -107,6 +113,8 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
             out.append(("devdax", "dax", "", None))
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
+    out.append(("chm-lru", "chm", f"policy=lru&{CHM_SMALL}", None))
+    out.append(("chm-staging", "chm", f"policy=staging&{CHM_SMALL}", None))
     wanted = config.getoption("--backend")
     if wanted:
         out = [v for v in out if any(v[0] == w or v[0].startswith(w + "-seed") for w in wanted)]

@@ -1,0 +1,82 @@
+# The CXL hybrid-memory (CXL-HM) device model: device DRAM in front of an SSD tier.
+#
+# Invariants:
+#  - All device state (page map, frame table, frames, the SSD timeline) lives in the
+#    sidecar <region>.chm, shared by every process of every node: the device is one.
+#  - The region file is the SSD. A page's bytes are in its frame when the page map
+#    names a frame whose entry names the page back; otherwise they are in the file.
+#  - Every access takes the device lock (robust, timed): the controller's tables
+#    change only under it, in an order _repair() can finish after a holder dies.
+#  - A frame entry is 0 (free) or (page + 1) << 8 | CHM_F_* flags.
+from libc.stdint cimport uint32_t, uint64_t
+
+from cxlrt.backend cimport Backend
+from cxlrt.includes.mutex cimport pthread_mutex_t
+from cxlrt.mapping cimport Mapping
+
+
+cdef enum:
+    CHM_F_VALID = 1   # the frame holds its page
+    CHM_F_DIRTY = 2   # newer than the SSD: written back before the frame is reused
+    CHM_F_REF = 4     # touched since the clock hand last passed
+    CHM_F_FILL = 8    # being filled: not yet the page's bytes (repair drops it)
+
+
+cdef enum:
+    CHM_LRU = 0       # transparent cache: every access goes through DRAM
+    CHM_STAGING = 1   # DMA reads and writes of pages not in DRAM go straight to the SSD
+
+
+cdef enum:
+    CHM_ST_HITS = 0           # page accesses served from DRAM
+    CHM_ST_FILLS = 1          # pages read from the SSD into a frame
+    CHM_ST_WRITEBACKS = 2     # dirty frames written back to the SSD
+    CHM_ST_DIRECT_READS = 3   # SSD reads that bypassed DRAM (staging DMA)
+    CHM_ST_DIRECT_WRITES = 4  # SSD writes that bypassed DRAM (staging DMA)
+    CHM_ST_SSD_READ_BYTES = 5
+    CHM_ST_SSD_WRITE_BYTES = 6
+    CHM_ST_DRAM_BYTES = 7     # bytes copied to or from frames
+    CHM_ST_BUSY_NS = 8        # modelled SSD time
+    CHM_ST_REPAIRS = 9        # device locks taken over from a dead holder
+    CHM_NSTATS = 10
+
+
+cdef enum:
+    CHM_LOCK_OFFSET = 1024    # the device lock's byte offset in the sidecar header
+    CHM_HEADER_BYTES = 4096
+
+
+ctypedef struct chm_hdr:
+    # written once when the sidecar is built (chmside.HEADER mirrors these 64 bytes)
+    uint64_t magic
+    uint32_t version
+    uint32_t policy
+    uint64_t page             # bytes per page, a power of two
+    uint64_t frames           # DRAM frames
+    uint64_t pages            # capacity pages: ceil(region_size / page)
+    uint64_t region_size
+    uint64_t dev              # identity of the region file the tables describe
+    uint64_t ino
+    # the controller's state, under the device lock
+    uint64_t ssd_free_ns      # when the modelled SSD finishes the work queued so far
+    uint64_t hand             # clock hand over the frames
+    uint64_t st[CHM_NSTATS]
+
+
+ctypedef struct chm_ctx:
+    chm_hdr* h
+    pthread_mutex_t* lock
+    uint32_t* pmap            # [pages]: frame + 1, 0 = not in DRAM
+    uint64_t* ftab            # [frames]
+    char* frames              # [frames * page]
+    int fd                    # the region file, this process's descriptor
+    uint64_t lat_ns           # modelled SSD latency per request
+    double read_bpns          # modelled SSD read bandwidth, bytes/ns (0 = unlimited)
+    double write_bpns         # modelled SSD write bandwidth, bytes/ns (0 = unlimited)
+    uint64_t lock_timeout_ns  # a device lock not had in this long is an error
+
+
+cdef class ChmBackend(Backend):
+    cdef chm_ctx c
+    cdef readonly Mapping sidecar  # the device: tables and DRAM frames
+    cdef readonly str sidecar_path

@@ -1,0 +1,151 @@
+"""The CXL-HM device model's shared state, ``<region>.chm``: the device DRAM and tables.
+
+Layout: a 4 KiB header (the fields below, the controller's counters, and its robust
+mutex at LOCK_OFFSET), the page map (u32 a capacity page), the frame table (u64 a
+frame), then the frames, page-aligned. A sidecar is built under a temporary name and
+linked into place only when complete, and the decision to replace one is serialised
+by an flock on the region file (as the non-coherent emulation's sidecar is).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import tempfile
+
+from cxlrt.mapping import Mapping
+from cxlrt.shm import init_robust_mutexes
+from cxlrt.spec import parse_float_range, parse_int_range, parse_size
+
+MAGIC = int.from_bytes(b"CXLCHM01", "little")
+VERSION = 1
+HEADER = struct.Struct("<QIIQQQQQQ")  # magic, version, policy, page, frames, pages,
+#                                       region_size, dev, ino
+HEADER_BYTES = 4096
+LOCK_OFFSET = 1024
+POLICIES = ("lru", "staging")
+MIN_PAGE = 4096
+MAX_PAGE = 16 << 20
+
+
+def _policy(text: str) -> str:
+    t = text.strip().lower()
+    if t not in POLICIES:
+        raise ValueError(f"expected one of {', '.join(POLICIES)}")
+    return t
+
+
+def _page(text: str) -> int:
+    n = parse_size(text)
+    if not MIN_PAGE <= n <= MAX_PAGE or n & (n - 1):
+        raise ValueError(f"expected a power of two from {MIN_PAGE} to {MAX_PAGE} bytes")
+    return n
+
+
+PARAMS = {
+    "policy": (_policy, "lru",
+               "lru: DRAM is a transparent page cache; staging: DMA bypasses it (HyMCache)"),
+    "dram": (parse_size, 64 << 20, "device DRAM bytes (K/M/G suffixes), at least one page"),
+    "page": (_page, 64 << 10, "device page: the unit of DRAM fills and write-backs"),
+    "lat": (parse_int_range(0, 10**9), 0, "modelled SSD latency per request, ns"),
+    "bw": (parse_float_range(0.0, 10**4), 0.0, "modelled SSD read bandwidth, GB/s (0 = unlimited)"),
+    "wbw": (parse_float_range(0.0, 10**4), 0.0,
+            "modelled SSD write bandwidth, GB/s (0 = the read bandwidth)"),
+}
+"""Spec parameters of ``chm:``: name -> (parser, default, description)."""
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def geometry(region_size: int, params: dict) -> dict[str, int]:
+    """Pages, frames and the sidecar's offsets for a region and its parameters."""
+    page = params["page"]
+    if params["dram"] < page:
+        raise ValueError(f"chm: dram={params['dram']} is smaller than one page ({page} bytes)")
+    pages = (region_size + page - 1) // page
+    frames = params["dram"] // page
+    pmap = HEADER_BYTES
+    ftab = _align(pmap + 4 * pages, 64)
+    data = _align(ftab + 8 * frames, max(page, MIN_PAGE))
+    return {"page": page, "pages": pages, "frames": frames, "pmap": pmap, "ftab": ftab,
+            "data": data, "total": data + frames * page}
+
+
+def _read_header(path: str):
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return None
+    if len(raw) < HEADER.size:
+        return None
+    magic, version, policy, page, frames, pages, rsize, dev, ino = HEADER.unpack(raw)
+    if magic != MAGIC or version != VERSION or policy >= len(POLICIES):
+        return None
+    return {"policy": POLICIES[policy], "page": page, "frames": frames, "pages": pages,
+            "region_size": rsize, "dev": dev, "ino": ino, "bytes": size}
+
+
+def _build(path: str, geo: dict, policy: str, region_size: int, dev: int, ino: int) -> str:
+    """Write a complete, empty device under a temporary name; return that name."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, geo["total"])  # zeros: no page in DRAM, every frame free
+    finally:
+        os.close(fd)
+    m = Mapping(tmp, geo["total"])
+    try:
+        init_robust_mutexes(m, LOCK_OFFSET, 1, 64)
+        HEADER.pack_into(m, 0, MAGIC, VERSION, POLICIES.index(policy), geo["page"],
+                         geo["frames"], geo["pages"], region_size, dev, ino)
+    finally:
+        m.close()
+    return tmp
+
+
+def forget(region_path: str) -> None:
+    """Drop the device state of a region file that was just created: a sidecar left
+    by an earlier file of that name describes other bytes."""
+    try:
+        os.unlink(region_path + ".chm")
+    except FileNotFoundError:
+        pass
+
+
+def attach(region_path: str, region_size: int, params: dict) -> tuple[Mapping, dict]:
+    """Map the device of a region file, creating it, or replacing one that describes
+    another file. A device built with other parameters is a clear error: its DRAM may
+    hold the only copy of data, so it is never silently rebuilt."""
+    geo = geometry(region_size, params)
+    side = region_path + ".chm"
+    lock_fd = os.open(region_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        st = os.fstat(lock_fd)
+        hdr = _read_header(side)
+        if hdr is None or (hdr["dev"], hdr["ino"], hdr["region_size"]) != (
+                st.st_dev, st.st_ino, region_size):
+            os.replace(_build(side, geo, params["policy"], region_size, st.st_dev, st.st_ino),
+                       side)
+            hdr = _read_header(side)
+            if hdr is None:
+                raise RuntimeError(f"device state {side!r} vanished while being created")
+        have = (hdr["policy"], hdr["page"], hdr["frames"])
+        want = (params["policy"], geo["page"], geo["frames"])
+        if have != want:
+            raise ValueError(
+                f"chm:{region_path}: the device was set up with policy={have[0]}, "
+                f"page={have[1]}, dram={have[1] * have[2]}; open it with those parameters "
+                f"(it may hold data not yet on the SSD), or remove {side!r} to start empty")
+        if hdr["bytes"] != geo["total"]:
+            raise ValueError(f"device state {side!r} is {hdr['bytes']} bytes, expected "
+                             f"{geo['total']}: it is corrupt; remove it to start empty")
+        return Mapping(side, geo["total"]), geo
+    finally:
+        os.close(lock_fd)  # releases the flock

@@ -1,0 +1,191 @@
+"""The CXL hybrid-memory device model (``chm:``): its policies do what they claim.
+
+The algorithm suite runs over chm-lru and chm-staging through the `backend` fixture;
+these tests pin the device's own behaviour: where bytes live (DRAM frame or SSD file),
+what each policy fills, what the modelled SSD time adds up to, and that the device
+recovers from a process killed inside its controller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import cxlrt
+from cxlrt.emulation import chmside
+from cxlrt.mapping import Mapping
+
+PAGE = 4096
+
+
+def _open(d, policy, *, dram="64K", extra="", node=0, create=True):
+    spec = f"chm:{d}/r?policy={policy}&dram={dram}&page=4K" + (f"&{extra}" if extra else "")
+    if create:
+        return cxlrt.open(spec, node=node, create=True, size="4M", nodes=2)
+    return cxlrt.open(spec, node=node)
+
+
+def _file_bytes(d, off, n):
+    with open(f"{d}/r", "rb") as f:
+        f.seek(off)
+        return f.read(n)
+
+
+def test_lru_hits_a_set_that_fits_and_never_one_four_times_dram(region_dir):
+    r = _open(region_dir, "lru", dram="64K")  # 16 frames
+    off = r.alloc(256 * 1024, align=PAGE)
+    data = os.urandom(256 * 1024)
+    r.dma_write(off, data)
+    small = 32 * 1024
+    r.dma_read(off, small)
+    before = r.backend.stats()
+    assert r.dma_read(off, small) == data[:small]
+    after = r.backend.stats()
+    assert after["hits"] - before["hits"] == small // PAGE
+    assert after["fills"] == before["fills"]
+    # A scan of 4x DRAM in order evicts each page before it comes round again.
+    r.dma_read(off, 256 * 1024)
+    before = r.backend.stats()
+    assert r.dma_read(off, 256 * 1024) == data
+    after = r.backend.stats()
+    assert after["fills"] - before["fills"] == 64
+    assert after["hits"] == before["hits"]
+    r.close()
+
+
+def test_lru_writes_back_dirty_victims_and_writeback_empties_dram(region_dir):
+    r = _open(region_dir, "lru", dram="64K")
+    off = r.alloc(128 * 1024, align=PAGE)
+    data = os.urandom(128 * 1024)
+    r.dma_write(off, data)
+    st = r.backend.stats()
+    assert st["writebacks"] >= 16  # the first half was pushed out by the second
+    assert _file_bytes(region_dir, off, 64 * 1024) == data[:64 * 1024]
+    pages, dirty = r.backend.resident()
+    assert pages == 16 and dirty > 0
+    assert _file_bytes(region_dir, off + 64 * 1024, 64 * 1024) != data[64 * 1024:]
+    assert r.backend.writeback(drop=True) == dirty
+    assert r.backend.resident() == (0, 0)
+    assert _file_bytes(region_dir, off, len(data)) == data
+    assert r.dma_read(off, len(data)) == data
+    r.close()
+
+
+def test_staging_dma_bypasses_dram_in_one_request(region_dir):
+    r = _open(region_dir, "staging", dram="64K")
+    off = r.alloc(256 * 1024, align=PAGE)
+    data = os.urandom(256 * 1024)
+    resident = r.backend.resident()
+    before = r.backend.stats()
+    r.dma_write(off, data)
+    assert _file_bytes(region_dir, off, len(data)) == data  # straight to the SSD
+    assert r.dma_read(off, len(data)) == data
+    after = r.backend.stats()
+    assert r.backend.resident() == resident  # nothing filled
+    assert after["direct_writes"] - before["direct_writes"] == 1
+    assert after["direct_reads"] - before["direct_reads"] == 1
+    assert after["fills"] == before["fills"]
+    r.close()
+
+
+def test_staging_serves_pages_in_dram_from_dram(region_dir):
+    r = _open(region_dir, "staging", dram="64K")
+    off = r.alloc(3 * PAGE, align=PAGE)
+    r.store64(off + PAGE, 0xABCD)  # a CPU store: the middle page is now in DRAM, dirty
+    before = r.backend.stats()
+    got = r.dma_read(off, 3 * PAGE)
+    after = r.backend.stats()
+    assert int.from_bytes(got[PAGE:PAGE + 8], "little") == 0xABCD
+    assert after["hits"] - before["hits"] == 1
+    assert after["direct_reads"] - before["direct_reads"] == 2  # the pages either side
+    r.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "staging"])
+def test_modelled_ssd_time_adds_up(region_dir, policy):
+    r = _open(region_dir, policy, dram="64K", extra="lat=20000&bw=4")
+    off = r.alloc(512 * 1024, align=PAGE)
+    r.backend.writeback(drop=True)
+    before = r.backend.stats()
+    r.dma_read(off, 512 * 1024)
+    busy = r.backend.stats()["busy_ns"] - before["busy_ns"]
+    if policy == "staging":
+        assert busy == 20000 + int(512 * 1024 / 4)  # one request
+    else:
+        assert busy >= 128 * (20000 + int(PAGE / 4))  # a request per page, plus write-backs
+    r.close()
+
+
+def test_other_parameters_on_a_live_device_are_refused(region_dir):
+    r = _open(region_dir, "lru")
+    with pytest.raises(ValueError, match="policy=lru"):
+        _open(region_dir, "staging", create=False, node=1)
+    r.close()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("policy=mru", "expected one of lru, staging"),
+    ("page=5000", "power of two"),
+    ("dram=1K", "smaller than one page"),
+    ("bw=-1", "expected 0.0"),
+])
+def test_bad_parameters_are_clear_errors(region_dir, spec, match):
+    with pytest.raises(ValueError, match=match):
+        cxlrt.open(f"chm:{region_dir}/r?{spec}", node=0, create=True, size="1M", nodes=2)
+
+
+def test_a_recreated_region_file_starts_with_an_empty_device(region_dir):
+    r = _open(region_dir, "lru")
+    off = r.alloc(PAGE, align=PAGE)
+    r.dma_write(off, b"\x5a" * PAGE)
+    assert r.backend.resident()[1] > 0
+    r.close()
+    os.unlink(f"{region_dir}/r")  # the sidecar, with dirty frames, stays behind
+    r = _open(region_dir, "lru")
+    assert r.dma_read(off, PAGE) != b"\x5a" * PAGE
+    r.close()
+
+
+def test_a_process_killed_inside_the_controller_is_repaired(region_dir):
+    r = _open(region_dir, "lru", dram="64K")
+    off = r.alloc(PAGE, align=PAGE)
+    r.dma_write(off, b"\x11" * PAGE)
+    r.backend.writeback(drop=True)
+    geo = chmside.geometry(r.size, {"page": PAGE, "dram": 64 * 1024})
+    pg = off // PAGE
+    pid = os.fork()
+    if pid == 0:  # take the device lock, leave a half-filled frame naming the page
+        try:
+            m = Mapping(f"{region_dir}/r.chm", geo["total"])
+            buf = (ctypes.c_char * m.size).from_buffer(m)
+            libc = ctypes.CDLL(None)
+            if libc.pthread_mutex_lock(ctypes.byref(buf, chmside.LOCK_OFFSET)) == 0:
+                ftab = np.frombuffer(m, np.uint64, geo["frames"], geo["ftab"])
+                pmap = np.frombuffer(m, np.uint32, geo["pages"], geo["pmap"])
+                ftab[3] = (pg + 1) << 8 | 8  # CHM_F_FILL
+                pmap[pg] = 4
+                memoryview(m)[geo["data"] + 3 * PAGE:geo["data"] + 4 * PAGE] = b"\xee" * PAGE
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status  # died holding the lock, as planned
+    assert r.dma_read(off, PAGE) == b"\x11" * PAGE
+    assert r.backend.stats()["repairs"] == 1
+    r.close()
+
+
+def test_nodes_share_one_device(region_dir):
+    a = _open(region_dir, "lru")
+    b = _open(region_dir, "lru", create=False, node=1)
+    off = a.alloc(PAGE, align=PAGE)
+    a.store64(off, 77)  # in device DRAM only, and node 1 sees it: one device
+    assert b.load64(off) == 77
+    assert _file_bytes(region_dir, off, 8) != (77).to_bytes(8, "little")
+    assert a.backend.stats() == b.backend.stats()
+    a.close()
+    b.close()

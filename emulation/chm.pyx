@@ -197,11 +197,14 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                  bint dma) noexcept nogil:
     """Move n bytes between buf and the device at off through the policy; then wait
     for the SSD time this request queued."""
-    cdef uint64_t cost = 0, pg, a, k, run, q, end = 0
+    cdef uint64_t cost = 0, pg, a, k, run, q, end = 0, t0
     cdef long f
     cdef int rc = _lock(c)
     if rc != 0:
         return rc
+    # The model's clock starts when the device takes the request: the real copies
+    # below are part of the modelled time, not added to it.
+    t0 = cxl_now_ns()
     while n:
         pg = off // c.h.page
         a = off - pg * c.h.page
@@ -240,7 +243,7 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
         buf += k
         n -= k
     if cost:
-        end = max(cxl_now_ns(), c.h.ssd_free_ns) + cost
+        end = max(t0, c.h.ssd_free_ns) + cost
         c.h.ssd_free_ns = end
         c.h.st[CHM_ST_BUSY_NS] += cost
     cxl_mutex_unlock(c.lock)

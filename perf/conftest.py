@@ -79,6 +79,10 @@ SPECS = {
     # A capacity tier slower than memory: DMA at a modelled 2 or 8 GB/s (test_staging.py).
     "emu-2GBps": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0&bw=2",
     "emu-8GBps": "emu:{path}?seed=1&evict=0&delay=0&lat=0&check=0&bw=8",
+    # The CXL-HM device model (test_chm.py, chm_turns.py's defaults): 16 MiB of device
+    # DRAM in 64 KiB pages over an SSD of 20 us a request, 4 GB/s read, 2 GB/s write.
+    "chm-lru": "chm:{path}?policy=lru&dram=16M&page=64K&lat=20000&bw=4&wbw=2",
+    "chm-staging": "chm:{path}?policy=staging&dram=16M&page=64K&lat=20000&bw=4&wbw=2",
 }
 LABELS = {"file": "file", "emu": "emu", "emu-check": "emu check=1"}  # others: the case as is
 

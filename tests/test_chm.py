@@ -9,8 +9,11 @@ recovers from a process killed inside its controller.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -189,3 +192,21 @@ def test_nodes_share_one_device(region_dir):
     assert a.backend.stats() == b.backend.stats()
     a.close()
     b.close()
+
+
+def test_the_turns_script_reads_back_what_it_stored(tmp_path):
+    # perf/chm_turns.py asserts every byte it reads against what it stored, on both
+    # devices; a short run here keeps that path working (the figures are perf/'s).
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "perf", "chm_turns.py")
+    out = tmp_path / "t.json"
+    res = subprocess.run([sys.executable, script, "--turns", "3", "--grow", "3", "--dram", "1",
+                          "--reps", "1", "--png", "", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    turns = json.loads(out.read_text())["turns"]
+    assert [t["turn"] for t in turns] == [2, 3]
+    assert all(t["lru_gbps"] > 0 and t["staging_gbps"] > 0 for t in turns)
+    bad = subprocess.run([sys.executable, script, "--turns", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--turns must be at least 1" in bad.stderr

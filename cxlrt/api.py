@@ -42,14 +42,6 @@ def _is_device(scheme: str, fs: str) -> bool:
     return bool(fn and fn(fs))
 
 
-def _medium_created(scheme: str, fs: str) -> None:
-    """Tell the backend its medium file is new (a device model drops state it kept
-    beside an earlier file of that name)."""
-    fn = registry.hook(scheme, "medium_created")
-    if fn is not None:
-        fn(fs)
-
-
 def _check_device_size(s: Spec, fs: str, size: int) -> None:
     have = registry.hook(s.scheme, "medium_size")(fs)
     if size != have:
@@ -164,8 +156,6 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
             _check_device_size(s, fs, size)
         else:
             created = _create_file(fs, size, exclusive=True)
-            if created:
-                _medium_created(s.scheme, fs)
     elif size is not None:
         size = parse_size(size)
     medium = _medium_size(fs, str(s), wait=CREATE_WAIT_S if create and not created else 0,
@@ -239,7 +229,6 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
                                   "reformat it, which destroys its contents")
         _forget_node_files(str(s))
         _create_file(fs, size, exclusive=False)
-    _medium_created(s.scheme, fs)
     backend = cls(s.path, params, 0, size)
     region = Region(backend, str(s))
     try:

@@ -57,6 +57,9 @@ ctypedef struct chm_hdr:
     uint64_t region_size
     uint64_t dev              # identity of the region file the tables describe
     uint64_t ino
+    uint64_t lat_ns           # the SSD model, device-wide (chmside.HEADER)
+    double bw
+    double wbw
     # the controller's state, under the device lock
     uint64_t ssd_free_ns      # when the modelled SSD finishes the work queued so far
     uint64_t hand             # clock hand over the frames
@@ -65,10 +68,19 @@ ctypedef struct chm_hdr:
 
 ctypedef struct chm_ctx:
     chm_hdr* h
+    # The geometry, copied at open: never read back from shared memory, which a
+    # close retires to zeros under a thread still inside an access.
+    uint64_t page
+    uint64_t frames
+    uint64_t pages
+    uint64_t region_size
+    uint32_t policy
+    const uint32_t* closed    # the region's closed flag
+    uint64_t inflight         # this process's threads inside the device (close waits)
     pthread_mutex_t* lock
     uint32_t* pmap            # [pages]: frame + 1, 0 = not in DRAM
     uint64_t* ftab            # [frames]
-    char* frames              # [frames * page]
+    char* dram                # the frames' bytes [frames * page]
     int fd                    # the region file, this process's descriptor
     uint64_t lat_ns           # modelled SSD latency per request
     double read_bpns          # modelled SSD read bandwidth, bytes/ns (0 = unlimited)

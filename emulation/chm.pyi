@@ -6,8 +6,6 @@ from cxlrt.mapping import Mapping
 PARAMS: dict[str, Any]
 LOCK_TIMEOUT_S: float
 
-def medium_created(path: str) -> None: ...
-
 class ChmBackend(Backend):
     sidecar: Mapping | None
     sidecar_path: str

@@ -29,10 +29,12 @@ from posix.time cimport nanosleep, timespec
 from posix.unistd cimport close, pread, pwrite
 
 from cxlrt.backend cimport CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, cxl_ops
-from cxlrt.includes.intrin cimport cxl_fence_full, cxl_now_ns, cxl_spin_ns, unlikely
+from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_acquire32,
+                                    cxl_atomic_load_relaxed64, cxl_fence_full, cxl_now_ns,
+                                    cxl_spin_ns, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_unlock,
                                    pthread_mutex_t)
-from cxlrt.status cimport CXLRT_E_IO
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO
 
 import os
 
@@ -42,12 +44,15 @@ LOCK_TIMEOUT_S = 30.0
 """A device lock not had in this long is reported as an I/O error (a stopped holder)."""
 
 
+cdef enum:
+    CHM_MAX_QUEUE_NS = 10000000000  # queued SSD time past this is a scribble, not work
+
 # --- the SSD --------------------------------------------------------------------
 
 cdef inline uint64_t _page_len(chm_ctx* c, uint64_t pg) noexcept nogil:
     """Bytes of page pg inside the region (the last page may be short)."""
-    cdef uint64_t start = pg * c.h.page
-    return min(c.h.page, c.h.region_size - start)
+    cdef uint64_t start = pg * c.page
+    return min(c.page, c.region_size - start)
 
 
 cdef int _ssd_io(chm_ctx* c, char* buf, uint64_t n, uint64_t off, bint write) noexcept nogil:
@@ -73,14 +78,15 @@ cdef int _ssd_io(chm_ctx* c, char* buf, uint64_t n, uint64_t off, bint write) no
 cdef inline uint64_t _ssd_cost(chm_ctx* c, uint64_t n, bint write) noexcept nogil:
     """Modelled time of one SSD request of n bytes."""
     cdef double bpns = c.write_bpns if write else c.read_bpns
-    return c.lat_ns + (<uint64_t>(n / bpns) if bpns > 0 else 0)
+    cdef double t = c.lat_ns + (n / bpns if bpns > 0 else 0.0)
+    return <uint64_t>t if t < CHM_MAX_QUEUE_NS else CHM_MAX_QUEUE_NS
 
 
 cdef int _ssd_page(chm_ctx* c, uint64_t f, uint64_t pg, bint write,
                    uint64_t* cost) noexcept nogil:
     """Read page pg into frame f, or write frame f back as page pg."""
     cdef uint64_t n = _page_len(c, pg)
-    cdef int rc = _ssd_io(c, c.frames + f * c.h.page, n, pg * c.h.page, write)
+    cdef int rc = _ssd_io(c, c.dram + f * c.page, n, pg * c.page, write)
     if rc == 0:
         cost[0] += _ssd_cost(c, n, write)
         c.h.st[CHM_ST_SSD_WRITE_BYTES if write else CHM_ST_SSD_READ_BYTES] += n
@@ -93,7 +99,7 @@ cdef inline int _frame_of(chm_ctx* c, uint64_t pg) noexcept nogil:
     """The frame holding page pg, or -1. An entry that does not name the page back
     (a scribble, a repair in progress) is not trusted."""
     cdef uint64_t f = c.pmap[pg]
-    if f == 0 or f > c.h.frames:
+    if f == 0 or f > c.frames:
         return -1
     f -= 1
     if (c.ftab[f] >> 8) != pg + 1 or not (c.ftab[f] & CHM_F_VALID):
@@ -107,9 +113,9 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
     or still mapped. The frame number, or CXLRT_E_IO."""
     cdef uint64_t i, f, w, pg
     cdef int rc
-    for i in range(2 * c.h.frames + 1):
-        f = c.h.hand
-        c.h.hand = (f + 1) % c.h.frames
+    for i in range(2 * c.frames + 1):
+        f = c.h.hand % c.frames  # shared: never trusted as an index
+        c.h.hand = (f + 1) % c.frames
         w = c.ftab[f]
         if w == 0:
             return <long>f
@@ -117,13 +123,13 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
             c.ftab[f] = w & ~(<uint64_t>CHM_F_REF)
             continue
         pg = (w >> 8) - 1
-        if w & CHM_F_DIRTY and pg < c.h.pages:
+        if w & CHM_F_DIRTY and pg < c.pages:
             rc = _ssd_page(c, f, pg, True, cost)
             if rc != 0:
                 return rc
             c.h.st[CHM_ST_WRITEBACKS] += 1
             c.ftab[f] = w & ~(<uint64_t>CHM_F_DIRTY)
-        if pg < c.h.pages and c.pmap[pg] == f + 1:
+        if pg < c.pages and c.pmap[pg] == f + 1:
             c.pmap[pg] = 0
         c.ftab[f] = 0
         return <long>f
@@ -131,7 +137,10 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
 
 
 cdef long _fill(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept nogil:
-    """Bring page pg into a frame (reading it unless the caller overwrites it whole)."""
+    """A frame for page pg, read from the SSD unless the caller overwrites it whole.
+    It stays FILL and unmapped: the caller maps it with _publish once its own copy is
+    done, so a holder killed before then leaves nothing a reader could take for the
+    page (repair drops a FILL frame)."""
     cdef long f = _victim(c, cost)
     cdef int rc
     if f < 0:
@@ -143,9 +152,14 @@ cdef long _fill(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept nog
             c.ftab[f] = 0
             return rc
         c.h.st[CHM_ST_FILLS] += 1
-    c.pmap[pg] = <uint32_t>(f + 1)
-    c.ftab[f] = ((pg + 1) << 8) | CHM_F_VALID
     return f
+
+
+cdef inline void _publish(chm_ctx* c, uint64_t f, uint64_t pg, bint dirty) noexcept nogil:
+    """Map a filled frame: the page map first, then the entry that names it back, so
+    the page is its frame's only when both agree."""
+    c.pmap[pg] = <uint32_t>(f + 1)
+    c.ftab[f] = ((pg + 1) << 8) | CHM_F_VALID | CHM_F_REF | (CHM_F_DIRTY if dirty else 0)
 
 
 cdef void _repair(chm_ctx* c) noexcept nogil:
@@ -153,22 +167,24 @@ cdef void _repair(chm_ctx* c) noexcept nogil:
     frames and entries that do not name each other; a valid frame its page no longer
     maps is written back if its page is nowhere else, then freed."""
     cdef uint64_t f, w, pg, cost = 0
-    for f in range(c.h.frames):
+    for f in range(c.frames):
         w = c.ftab[f]
         if w == 0:
             continue
         pg = (w >> 8) - 1
-        if pg >= c.h.pages or (w & CHM_F_FILL) or not (w & CHM_F_VALID):
+        if pg >= c.pages or (w & CHM_F_FILL) or not (w & CHM_F_VALID):
             c.ftab[f] = 0
             continue
         if c.pmap[pg] != f + 1:
-            if (w & CHM_F_DIRTY) and c.pmap[pg] == 0:
-                _ssd_page(c, f, pg, True, &cost)
+            if (w & CHM_F_DIRTY) and c.pmap[pg] == 0 and _ssd_page(c, f, pg, True, &cost) != 0:
+                c.pmap[pg] = <uint32_t>(f + 1)  # the only copy: keep it in DRAM, mapped
+                continue
             c.ftab[f] = 0
-    for pg in range(c.h.pages):
+    for pg in range(c.pages):
         if c.pmap[pg] != 0 and _frame_of(c, pg) < 0:
             c.pmap[pg] = 0
     c.h.st[CHM_ST_REPAIRS] += 1
+    _charge(c, cxl_now_ns(), cost)
 
 
 cdef int _lock(chm_ctx* c) noexcept nogil:
@@ -177,6 +193,21 @@ cdef int _lock(chm_ctx* c) noexcept nogil:
         _repair(c)
         return 0
     return CXLRT_E_IO if rc < 0 else 0
+
+
+cdef uint64_t _charge(chm_ctx* c, uint64_t t0, uint64_t cost) noexcept nogil:
+    """Queue `cost` of SSD time from t0 on the device's one timeline (lock held); when
+    it ends, or 0 for no cost."""
+    cdef uint64_t end
+    if cost == 0:
+        return 0
+    end = c.h.ssd_free_ns
+    if end < t0 or end > t0 + CHM_MAX_QUEUE_NS:  # shared: a wild value never hangs us
+        end = t0
+    end += cost
+    c.h.ssd_free_ns = end
+    c.h.st[CHM_ST_BUSY_NS] += cost
+    return end
 
 
 cdef void _wait_until(uint64_t end) noexcept nogil:
@@ -193,8 +224,31 @@ cdef void _wait_until(uint64_t end) noexcept nogil:
         cxl_spin_ns(end - now)
 
 
+cdef inline void _nap() noexcept nogil:
+    cdef timespec ts
+    ts.tv_sec = 0
+    ts.tv_nsec = 50000
+    nanosleep(&ts, NULL)
+
+
 cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                  bint dma) noexcept nogil:
+    """_access_in, counted in this process's in-flight accesses, which close() waits
+    out before it retires the device's mapping: a thread inside the device never
+    meets a retired lock or zeroed tables."""
+    cdef int rc
+    cxl_atomic_add_relaxed64(&c.inflight, 1)
+    cxl_fence_full()  # Dekker with close(): it sets closed, fences, then reads inflight
+    if unlikely(cxl_atomic_load_acquire32(c.closed) != 0):
+        rc = CXLRT_E_CLOSED
+    else:
+        rc = _access_in(c, off, buf, n, write, dma)
+    cxl_atomic_add_relaxed64(&c.inflight, <uint64_t>-1)
+    return rc
+
+
+cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
+                    bint dma) noexcept nogil:
     """Move n bytes between buf and the device at off through the policy; then wait
     for the SSD time this request queued."""
     cdef uint64_t cost = 0, pg, a, k, run, q, end = 0, t0
@@ -206,11 +260,11 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
     # below are part of the modelled time, not added to it.
     t0 = cxl_now_ns()
     while n:
-        pg = off // c.h.page
-        a = off - pg * c.h.page
+        pg = off // c.page
+        a = off - pg * c.page
         k = min(n, _page_len(c, pg) - a)
         f = _frame_of(c, pg)
-        if f < 0 and dma and c.h.policy == CHM_STAGING:
+        if f < 0 and dma and c.policy == CHM_STAGING:
             # One sequential request for the whole run of pages not in DRAM.
             run = k
             q = pg + 1
@@ -224,28 +278,32 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
             c.h.st[CHM_ST_DIRECT_WRITES if write else CHM_ST_DIRECT_READS] += 1
             c.h.st[CHM_ST_SSD_WRITE_BYTES if write else CHM_ST_SSD_READ_BYTES] += run
             k = run
-        else:
+        elif f < 0:
+            f = _fill(c, pg, not (write and a == 0 and k == _page_len(c, pg)), &cost)
             if f < 0:
-                f = _fill(c, pg, not (write and a == 0 and k == _page_len(c, pg)), &cost)
-                if f < 0:
-                    rc = <int>f
-                    break
-            else:
-                c.h.st[CHM_ST_HITS] += 1
+                rc = <int>f
+                break
             if write:
-                memcpy(c.frames + f * c.h.page + a, buf, k)
-                c.ftab[f] |= CHM_F_REF | CHM_F_DIRTY
+                memcpy(c.dram + f * c.page + a, buf, k)
             else:
-                memcpy(buf, c.frames + f * c.h.page + a, k)
+                memcpy(buf, c.dram + f * c.page + a, k)
+            _publish(c, <uint64_t>f, pg, write)
+            c.h.st[CHM_ST_DRAM_BYTES] += k
+        else:
+            c.h.st[CHM_ST_HITS] += 1
+            if write:
+                # Dirty before the copy: a holder killed mid-copy leaves a torn store
+                # that is written back, never one that shows and then vanishes.
+                c.ftab[f] |= CHM_F_REF | CHM_F_DIRTY
+                memcpy(c.dram + f * c.page + a, buf, k)
+            else:
                 c.ftab[f] |= CHM_F_REF
+                memcpy(buf, c.dram + f * c.page + a, k)
             c.h.st[CHM_ST_DRAM_BYTES] += k
         off += k
         buf += k
         n -= k
-    if cost:
-        end = max(t0, c.h.ssd_free_ns) + cost
-        c.h.ssd_free_ns = end
-        c.h.st[CHM_ST_BUSY_NS] += cost
+    end = _charge(c, t0, cost)
     cxl_mutex_unlock(c.lock)
     if end:
         _wait_until(end)
@@ -298,11 +356,6 @@ assert len(_STATS) == CHM_NSTATS
 PARAMS = _side.PARAMS
 
 
-def medium_created(str path):
-    """Hook: the region file was just created, so device state beside it is stale."""
-    _side.forget(path)
-
-
 @cython.no_gc_clear  # a beat thread may still be inside the device: keep the sidecar
 cdef class ChmBackend(Backend):
     """One process's handle on a CXL-HM device model.
@@ -335,7 +388,13 @@ cdef class ChmBackend(Backend):
         self.c.lock = <pthread_mutex_t*>(side + CHM_LOCK_OFFSET)
         self.c.pmap = <uint32_t*>(side + <size_t>geo["pmap"])
         self.c.ftab = <uint64_t*>(side + <size_t>geo["ftab"])
-        self.c.frames = side + <size_t>geo["data"]
+        self.c.dram = side + <size_t>geo["data"]
+        self.c.page = geo["page"]
+        self.c.frames = geo["frames"]
+        self.c.pages = geo["pages"]
+        self.c.region_size = size
+        self.c.policy = CHM_STAGING if params["policy"] == "staging" else CHM_LRU
+        self.c.closed = &self.reg.closed
         self.c.lat_ns = params["lat"]
         self.c.read_bpns = params["bw"]
         self.c.write_bpns = params["wbw"] or params["bw"]
@@ -353,9 +412,20 @@ cdef class ChmBackend(Backend):
         """Nothing per node: every node reaches the one device."""
 
     cpdef close(self):
-        # Retired, the tables read as zeros and the lock as a free private mutex, so a
-        # thread still inside an access finishes harmlessly; the descriptor stays open
-        # until dealloc so such a thread never writes through a reused number.
+        # Closed first, then every access of this process already inside the device is
+        # waited out (each holds the device lock for at most one request, or times out
+        # on it), and only then is the mapping retired: a holder that unlocked a
+        # retired lock would leave the real one owned for good. The descriptor stays
+        # open until dealloc, so nothing ever writes through a reused number.
+        cdef chm_ctx* c = &self.c
+        if self.sidecar is None or self.sidecar.closed:
+            self.reg.closed = 1
+            return
+        self.reg.closed = 1
+        with nogil:
+            cxl_fence_full()
+            while cxl_atomic_load_relaxed64(&c.inflight) != 0:
+                _nap()
         self._retire(self.sidecar)
 
     def __dealloc__(self):
@@ -373,7 +443,7 @@ cdef class ChmBackend(Backend):
         """Pages in DRAM and how many of them are dirty: (pages, dirty)."""
         cdef uint64_t f, n = 0, d = 0
         self.region()
-        for f in range(self.c.h.frames):
+        for f in range(self.c.frames):
             if self.c.ftab[f] & CHM_F_VALID:
                 n += 1
                 d += (self.c.ftab[f] & CHM_F_DIRTY) != 0
@@ -382,16 +452,18 @@ cdef class ChmBackend(Backend):
     def writeback(self, bint drop=False):
         """Write every dirty page back to the SSD (and with ``drop``, empty the DRAM,
         as a device power cycle that persists does); the number written back."""
-        cdef uint64_t f, w, pg, cost = 0, done = 0
+        cdef uint64_t f, w, pg, cost = 0, done = 0, end = 0
         cdef int rc = 0
         self.region()
         with nogil:
-            rc = _lock(&self.c)
+            cxl_atomic_add_relaxed64(&self.c.inflight, 1)
+            cxl_fence_full()
+            rc = CXLRT_E_CLOSED if cxl_atomic_load_acquire32(self.c.closed) else _lock(&self.c)
             if rc == 0:
-                for f in range(self.c.h.frames):
+                for f in range(self.c.frames):
                     w = self.c.ftab[f]
                     pg = (w >> 8) - 1
-                    if (w & CHM_F_VALID) and (w & CHM_F_DIRTY) and pg < self.c.h.pages:
+                    if (w & CHM_F_VALID) and (w & CHM_F_DIRTY) and pg < self.c.pages:
                         rc = _ssd_page(&self.c, f, pg, True, &cost)
                         if rc != 0:
                             break
@@ -399,10 +471,16 @@ cdef class ChmBackend(Backend):
                         self.c.h.st[CHM_ST_WRITEBACKS] += 1
                         done += 1
                     if drop and self.c.ftab[f] != 0:
-                        if pg < self.c.h.pages and self.c.pmap[pg] == f + 1:
+                        if pg < self.c.pages and self.c.pmap[pg] == f + 1:
                             self.c.pmap[pg] = 0
                         self.c.ftab[f] = 0
+                end = _charge(&self.c, cxl_now_ns(), cost)
                 cxl_mutex_unlock(self.c.lock)
+            cxl_atomic_add_relaxed64(&self.c.inflight, <uint64_t>-1)
+            if end:
+                _wait_until(end)
+        if rc == CXLRT_E_CLOSED:
+            self.region()  # raises RegionClosedError
         if rc != 0:
             raise OSError(f"chm:{self.path}: the device could not write back "
                           "(SSD I/O error, or its lock is held by a stopped process)")

@@ -20,8 +20,8 @@ from cxlrt.spec import parse_float_range, parse_int_range, parse_size
 
 MAGIC = int.from_bytes(b"CXLCHM01", "little")
 VERSION = 1
-HEADER = struct.Struct("<QIIQQQQQQ")  # magic, version, policy, page, frames, pages,
-#                                       region_size, dev, ino
+HEADER = struct.Struct("<QIIQQQQQQQdd")  # magic, version, policy, page, frames, pages,
+#                                          region_size, dev, ino, lat, bw, wbw
 HEADER_BYTES = 4096
 LOCK_OFFSET = 1024
 POLICIES = ("lru", "staging")
@@ -67,6 +67,9 @@ def geometry(region_size: int, params: dict) -> dict[str, int]:
         raise ValueError(f"chm: dram={params['dram']} is smaller than one page ({page} bytes)")
     pages = (region_size + page - 1) // page
     frames = params["dram"] // page
+    if pages >= 2**32 - 1 or frames >= 2**31:  # u32 page map entries, int frame numbers
+        raise ValueError(f"chm: {pages} pages and {frames} frames of {page} bytes are too "
+                         "many; use a larger page=")
     pmap = HEADER_BYTES
     ftab = _align(pmap + 4 * pages, 64)
     data = _align(ftab + 8 * frames, max(page, MIN_PAGE))
@@ -83,14 +86,16 @@ def _read_header(path: str):
         return None
     if len(raw) < HEADER.size:
         return None
-    magic, version, policy, page, frames, pages, rsize, dev, ino = HEADER.unpack(raw)
+    magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw = \
+        HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION or policy >= len(POLICIES):
         return None
     return {"policy": POLICIES[policy], "page": page, "frames": frames, "pages": pages,
-            "region_size": rsize, "dev": dev, "ino": ino, "bytes": size}
+            "region_size": rsize, "dev": dev, "ino": ino, "lat": lat, "bw": bw, "wbw": wbw,
+            "bytes": size}
 
 
-def _build(path: str, geo: dict, policy: str, region_size: int, dev: int, ino: int) -> str:
+def _build(path: str, geo: dict, params: dict, region_size: int, dev: int, ino: int) -> str:
     """Write a complete, empty device under a temporary name; return that name."""
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
@@ -102,26 +107,21 @@ def _build(path: str, geo: dict, policy: str, region_size: int, dev: int, ino: i
     m = Mapping(tmp, geo["total"])
     try:
         init_robust_mutexes(m, LOCK_OFFSET, 1, 64)
-        HEADER.pack_into(m, 0, MAGIC, VERSION, POLICIES.index(policy), geo["page"],
-                         geo["frames"], geo["pages"], region_size, dev, ino)
+        HEADER.pack_into(m, 0, MAGIC, VERSION, POLICIES.index(params["policy"]), geo["page"],
+                         geo["frames"], geo["pages"], region_size, dev, ino, params["lat"],
+                         params["bw"], params["wbw"])
     finally:
         m.close()
     return tmp
 
 
-def forget(region_path: str) -> None:
-    """Drop the device state of a region file that was just created: a sidecar left
-    by an earlier file of that name describes other bytes."""
-    try:
-        os.unlink(region_path + ".chm")
-    except FileNotFoundError:
-        pass
-
-
 def attach(region_path: str, region_size: int, params: dict) -> tuple[Mapping, dict]:
-    """Map the device of a region file, creating it, or replacing one that describes
-    another file. A device built with other parameters is a clear error: its DRAM may
-    hold the only copy of data, so it is never silently rebuilt."""
+    """Map the device of a region file, creating it, or replacing one built for another
+    file (another device and inode, or another size: a region file deleted and made
+    again). A device opened with other parameters is a clear error: its DRAM may hold
+    the only copy of data. A file re-created with the same inode number and size (a
+    filesystem that reuses inodes at once; tmpfs does not) keeps the old device:
+    remove ``<path>.chm`` along with the region file."""
     geo = geometry(region_size, params)
     side = region_path + ".chm"
     lock_fd = os.open(region_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -131,18 +131,20 @@ def attach(region_path: str, region_size: int, params: dict) -> tuple[Mapping, d
         hdr = _read_header(side)
         if hdr is None or (hdr["dev"], hdr["ino"], hdr["region_size"]) != (
                 st.st_dev, st.st_ino, region_size):
-            os.replace(_build(side, geo, params["policy"], region_size, st.st_dev, st.st_ino),
-                       side)
+            os.replace(_build(side, geo, params, region_size, st.st_dev, st.st_ino), side)
             hdr = _read_header(side)
             if hdr is None:
                 raise RuntimeError(f"device state {side!r} vanished while being created")
-        have = (hdr["policy"], hdr["page"], hdr["frames"])
-        want = (params["policy"], geo["page"], geo["frames"])
+        have = (hdr["policy"], hdr["page"], hdr["frames"], hdr["lat"], hdr["bw"], hdr["wbw"])
+        want = (params["policy"], geo["page"], geo["frames"], params["lat"], params["bw"],
+                params["wbw"])
         if have != want:
             raise ValueError(
                 f"chm:{region_path}: the device was set up with policy={have[0]}, "
-                f"page={have[1]}, dram={have[1] * have[2]}; open it with those parameters "
-                f"(it may hold data not yet on the SSD), or remove {side!r} to start empty")
+                f"page={have[1]}, dram={have[1] * have[2]}, lat={have[3]}, bw={have[4]:g}, "
+                f"wbw={have[5]:g}; open it with those parameters (its DRAM may hold data not "
+                f"yet on the SSD, and one device has one SSD), or remove {side!r} to start "
+                "empty")
         if hdr["bytes"] != geo["total"]:
             raise ValueError(f"device state {side!r} is {hdr['bytes']} bytes, expected "
                              f"{geo['total']}: it is corrupt; remove it to start empty")

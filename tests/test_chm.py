@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -119,14 +121,19 @@ def test_modelled_ssd_time_adds_up(region_dir, policy):
     if policy == "staging":
         assert busy == 20000 + int(512 * 1024 / 4)  # one request
     else:
-        assert busy >= 128 * (20000 + int(PAGE / 4))  # a request per page, plus write-backs
+        assert busy == 128 * (20000 + int(PAGE / 4))  # a request per page; DRAM was empty
     r.close()
 
 
-def test_other_parameters_on_a_live_device_are_refused(region_dir):
+@pytest.mark.parametrize("other", ["policy=staging", "dram=128K", "lat=5", "bw=2", "wbw=1"])
+def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
     r = _open(region_dir, "lru")
-    with pytest.raises(ValueError, match="policy=lru"):
-        _open(region_dir, "staging", create=False, node=1)
+    kw = dict(p.split("=") for p in other.split("&"))
+    policy = kw.pop("policy", "lru")
+    dram = kw.pop("dram", "64K")
+    with pytest.raises(ValueError, match="the device was set up with policy=lru"):
+        _open(region_dir, policy, dram=dram, extra="&".join(f"{k}={v}" for k, v in kw.items()),
+              create=False, node=1)
     r.close()
 
 
@@ -135,6 +142,7 @@ def test_other_parameters_on_a_live_device_are_refused(region_dir):
     ("page=5000", "power of two"),
     ("dram=1K", "smaller than one page"),
     ("bw=-1", "expected 0.0"),
+    ("page=4K&dram=16T", "too many"),
 ])
 def test_bad_parameters_are_clear_errors(region_dir, spec, match):
     with pytest.raises(ValueError, match=match):
@@ -153,10 +161,25 @@ def test_a_recreated_region_file_starts_with_an_empty_device(region_dir):
     r.close()
 
 
-def test_a_process_killed_inside_the_controller_is_repaired(region_dir):
+# What a holder killed between two steps of the controller can leave (frame 3 and the
+# page under test): (frame entry flags, page map names frame 3, frame bytes, on the SSD)
+KILLED_AT = {
+    # inside a fill: the frame named, its bytes not yet the page's
+    "fill": (8, True, b"\xee", b"\x11"),
+    # inside an eviction of a dirty page: unmapped, not yet written back
+    "evict": (1 | 2, False, b"\x22", b"\x11"),
+    # after the write-back, before the entry was cleared
+    "evicted": (1, False, b"\x11", b"\x11"),
+}
+
+
+@pytest.mark.parametrize("step", sorted(KILLED_AT))
+def test_a_process_killed_inside_the_controller_is_repaired(region_dir, step):
+    flags, mapped, frame_byte, ssd_byte = KILLED_AT[step]
+    want = b"\x22" * PAGE if step == "evict" else b"\x11" * PAGE
     r = _open(region_dir, "lru", dram="64K")
     off = r.alloc(PAGE, align=PAGE)
-    r.dma_write(off, b"\x11" * PAGE)
+    r.dma_write(off, ssd_byte * PAGE)
     r.backend.writeback(drop=True)
     geo = chmside.geometry(r.size, {"page": PAGE, "dram": 64 * 1024})
     pg = off // PAGE
@@ -169,16 +192,18 @@ def test_a_process_killed_inside_the_controller_is_repaired(region_dir):
             if libc.pthread_mutex_lock(ctypes.byref(buf, chmside.LOCK_OFFSET)) == 0:
                 ftab = np.frombuffer(m, np.uint64, geo["frames"], geo["ftab"])
                 pmap = np.frombuffer(m, np.uint32, geo["pages"], geo["pmap"])
-                ftab[3] = (pg + 1) << 8 | 8  # CHM_F_FILL
-                pmap[pg] = 4
-                memoryview(m)[geo["data"] + 3 * PAGE:geo["data"] + 4 * PAGE] = b"\xee" * PAGE
+                ftab[3] = (pg + 1) << 8 | flags
+                pmap[pg] = 4 if mapped else 0
+                memoryview(m)[geo["data"] + 3 * PAGE:geo["data"] + 4 * PAGE] = frame_byte * PAGE
                 os.kill(os.getpid(), signal.SIGKILL)
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status), status  # died holding the lock, as planned
-    assert r.dma_read(off, PAGE) == b"\x11" * PAGE
+    assert r.dma_read(off, PAGE) == want
     assert r.backend.stats()["repairs"] == 1
+    r.backend.writeback(drop=True)
+    assert _file_bytes(region_dir, off, PAGE) == want  # and nothing left half done
     r.close()
 
 
@@ -210,3 +235,38 @@ def test_the_turns_script_reads_back_what_it_stored(tmp_path):
     bad = subprocess.run([sys.executable, script, "--turns", "0"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--turns must be at least 1" in bad.stderr
+
+
+@pytest.mark.parametrize("policy", ["lru", "staging"])
+def test_close_waits_out_threads_inside_the_device(region_dir, policy):
+    # A lock waiter polls the device without the GIL; closing its region under it used
+    # to unlock the device lock through the retired (zeroed) mapping, which left the
+    # real lock owned for good, or divide by a zeroed page size (SIGFPE). Now close()
+    # waits the thread out, the waiter gets a clear error, and the device stays usable.
+    spec = f"chm:{region_dir}/r?policy={policy}&dram=64K&page=4K&lat=20000"
+    a = cxlrt.open(spec, node=0, create=True, size="4M", nodes=11)
+    la = a.lock("w")
+    assert la.acquire()
+    for i in range(10):
+        # A node of its own each time: the waiter's node-local lock tier is left held by
+        # the close (a known lock-layer issue, not the device's; see the issue note).
+        b = cxlrt.open(spec, node=i + 1)
+        lb = b.lock("w")
+        out = []
+
+        def wait(lb, out):
+            try:
+                out.append(lb.acquire(timeout=20))
+            except Exception as e:  # what the waiter saw is the result
+                out.append(e)
+
+        t = threading.Thread(target=wait, args=(lb, out))
+        t.start()
+        time.sleep(0.02 + 0.003 * i)
+        b.close()
+        t.join(10)
+        assert not t.is_alive() and len(out) == 1, out
+        assert isinstance(out[0], cxlrt.RegionClosedError), out
+        assert a.dma_read(a.heap[0], 8) is not None  # the device lock is free
+    la.release()
+    a.close()

@@ -40,6 +40,8 @@ def pytest_addoption(parser):
     parser.addoption("--backend", action="append", default=[],
                      help="run only these backend variants (file, emu, emu-faulty, chm-lru, ...); "
                           "repeatable")
+    parser.addoption("--no-backend", action="append", default=[],
+                     help="leave these backend variants out (after --backend); repeatable")
     parser.addoption("--cxl-seed", type=int, default=None,
                      help=f"fault-injection seed for emu-faulty (default {DEFAULT_SEED})")
 
@@ -118,6 +120,10 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
     wanted = config.getoption("--backend")
     if wanted:
         out = [v for v in out if any(v[0] == w or v[0].startswith(w + "-seed") for w in wanted)]
+    unwanted = config.getoption("--no-backend")
+    if unwanted:
+        out = [v for v in out if not any(v[0] == w or v[0].startswith(w + "-seed")
+                                         for w in unwanted)]
     return out
 
 

@@ -14,6 +14,7 @@ import os
 import struct
 import tempfile
 
+from cxlrt.emulation.sidecar import read_head
 from cxlrt.mapping import Mapping
 from cxlrt.shm import init_robust_mutexes
 from cxlrt.spec import parse_float_range, parse_int_range, parse_size
@@ -78,14 +79,10 @@ def geometry(region_size: int, params: dict) -> dict[str, int]:
 
 
 def _read_header(path: str):
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
+    head = read_head(path, HEADER.size)
+    if head is None:
         return None
-    if len(raw) < HEADER.size:
-        return None
+    raw, size = head
     magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw = \
         HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION or policy >= len(POLICIES):

@@ -98,15 +98,22 @@ def read_geometry(m: Mapping) -> tuple[int, int]:
     return sets, ways
 
 
-def _read_header(path: str):
+def read_head(path: str, n: int) -> tuple[bytes, int] | None:
+    """The first n bytes of a sidecar and its size; None if it is missing or shorter."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
+            raw = f.read(n)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return None
-    if len(raw) < HEADER.size:
+    return (raw, size) if len(raw) == n else None
+
+
+def _read_header(path: str):
+    head = read_head(path, HEADER.size)
+    if head is None:
         return None
+    raw, size = head
     magic, version, nodes, ways, _, sets, rsize, uuid = HEADER.unpack(raw)
     if (magic != MAGIC or version != VERSION or not _valid_geometry(sets, ways)
             or size != _total(nodes, sets, ways)):

@@ -160,7 +160,7 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
         size = parse_size(size)
     medium = _medium_size(fs, str(s), wait=CREATE_WAIT_S if create and not created else 0,
                           scheme=s.scheme)
-    backend = cls(s.path, params, node, medium)
+    backend = _construct(cls, s, params, node, medium, fs if created and not device else None)
     region = Region(backend, str(s))
     if device and create:
         try:
@@ -183,6 +183,17 @@ def open(spec: str, *, node: int, create: bool = False, size: int | str | None =
                 os.unlink(fs)  # ours, never published: nothing is lost
         raise
     return region
+
+
+def _construct(cls, s: Spec, params: dict[str, Any], node: int, size: int, ours: str | None):
+    """The backend for a spec; a file we just created for it goes again if that fails
+    (a parameter only the backend can judge, such as chm:'s dram against its page)."""
+    try:
+        return cls(s.path, params, node, size)
+    except BaseException:
+        if ours is not None:
+            os.unlink(ours)  # ours, never formatted: nothing is lost
+        raise
 
 
 def _forget_node_files(spec: str) -> None:
@@ -223,13 +234,14 @@ def format(spec: str, *, size: int | str, nodes: int, force: bool = False,
         finally:
             region.close()
         return inspect(str(s))
-    if not _create_file(fs, size, exclusive=True):
+    fresh = _create_file(fs, size, exclusive=True)
+    if not fresh:
         if not force:
             raise FileExistsError(f"{fs!r} already exists; pass --force (force=True) to "
                                   "reformat it, which destroys its contents")
         _forget_node_files(str(s))
         _create_file(fs, size, exclusive=False)
-    backend = cls(s.path, params, 0, size)
+    backend = _construct(cls, s, params, 0, size, fs if fresh else None)
     region = Region(backend, str(s))
     try:
         region._format(nodes, _sb.new_uuid(), _lease_ms(lease))

@@ -147,6 +147,9 @@ def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
 def test_bad_parameters_are_clear_errors(region_dir, spec, match):
     with pytest.raises(ValueError, match=match):
         cxlrt.open(f"chm:{region_dir}/r?{spec}", node=0, create=True, size="1M", nodes=2)
+    with pytest.raises(ValueError, match=match):
+        cxlrt.format(f"chm:{region_dir}/r?{spec}", size="1M", nodes=2)
+    assert not os.listdir(region_dir)  # no region file left behind by the refusal
 
 
 def test_a_recreated_region_file_starts_with_an_empty_device(region_dir):

@@ -17,11 +17,23 @@ def cuda_target(obj: Any) -> bool:
     return _is_torch(obj) and bool(obj.is_cuda)
 
 
+def cuda_buffers(objs: Any) -> bool:
+    """A CUDA tensor, or a non-empty sequence of them (mixing in host buffers is refused):
+    the target or source of the CUDA path (cxlrt._cuda)."""
+    if isinstance(objs, (list, tuple)):
+        on = [cuda_target(o) for o in objs]
+        if any(on) and not all(on):
+            raise TypeError("blocks: CUDA tensors and host buffers cannot be mixed in one store")
+        return bool(on) and on[0]
+    return cuda_target(objs)
+
+
 def _bytes_of(obj: Any, writable: bool, what: str) -> memoryview:
     if _is_torch(obj):
         import torch
         if obj.is_cuda:
-            raise TypeError(f"{what}: CUDA tensors are accepted only as a single load target")
+            raise TypeError(f"{what}: a CUDA tensor here must be the whole target (one tensor, "
+                            "or a sequence of CUDA tensors only)")
         if not obj.is_contiguous():
             raise ValueError(f"{what}: the tensor must be contiguous")
         obj = obj.detach().reshape(-1).view(torch.uint8).numpy()

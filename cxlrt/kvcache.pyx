@@ -604,19 +604,17 @@ cdef class KVCache:
         `out` is one writable C-contiguous buffer (numpy array, CPU torch tensor,
         bytearray) of at least n * block_bytes bytes, or a sequence of n such
         buffers of at least block_bytes each; None allocates a numpy uint8 array
-        of shape (n, block_bytes). A CUDA tensor is filled by asynchronous copies
-        from host-registered memory (the call waits for them before returning).
+        of shape (n, block_bytes). A CUDA tensor (or a sequence of n) is filled by
+        asynchronous copies: from the payloads themselves once the region is
+        registered (``Region.register_cuda()``, done on first use), else through a
+        pinned bounce buffer kept per cache; the call waits for them, then checks
+        every payload again.
         The payload header is checked before and after each copy, so a block
         that is not the stored one raises instead of being returned. Blocks that
         ``prefetch(hit, window)`` issued come from the window as it stages them.
         """
         self._need_hit(hit)
-        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= hit.n:
-            raise ValueError(f"start must be an int in 0..{hit.n}, got {start!r}")
-        if stop is None:
-            stop = hit.n
-        if isinstance(stop, bool) or not isinstance(stop, int) or not start <= stop <= hit.n:
-            raise ValueError(f"stop must be an int in {start}..{hit.n}, got {stop!r}")
+        start, stop = _range(start, stop, hit.n)
         cdef uint64_t first = start
         cdef uint64_t n = stop - start, bb = self.block_bytes, i
         if out is None:
@@ -624,8 +622,8 @@ cdef class KVCache:
             out = np.empty((n, bb), dtype=np.uint8)
         if n == 0:  # a miss, or start == len(hit): nothing to copy, nothing to check
             return out
-        from cxlrt._buffers import cuda_target, destinations
-        if cuda_target(out):
+        from cxlrt._buffers import cuda_buffers, destinations
+        if cuda_buffers(out):
             self._unstage_range(hit, 0, first + n)  # the CUDA path reads the region
             from cxlrt._cuda import load_cuda
             load_cuda(self, hit, out, start, stop)
@@ -657,12 +655,25 @@ cdef class KVCache:
         self._pending()[KV_ST_BYTES_LOADED] += n * bb
         return out
 
+    def _recheck(self, Hit hit not None, start, stop):
+        """The post-copy check of load(), for a path that copied blocks ``[start:stop]``
+        by other means (the CUDA one): raise if any payload is no longer the stored one."""
+        self._need_hit(hit)
+        start, stop = _range(start, stop, hit.n)
+        cdef uint64_t i
+        cdef int rc
+        for i in range(start, stop):
+            rc = self._check_busy(hit, i)
+            if rc != 0:
+                self._raise_stale(hit, i, rc, "load")
+
     def _count_loaded(self, uint64_t nbytes):
         """Count bytes a load path outside load() copied (the CUDA one)."""
         self._pending()[KV_ST_BYTES_LOADED] += nbytes
 
-    def views(self, Hit hit not None):
-        """Zero-copy read-only views of the hit's blocks (mappable backends only).
+    def views(self, Hit hit not None, *, start=0, stop=None):
+        """Zero-copy read-only views of the hit's blocks ``[start:stop]`` (mappable
+        backends only).
 
         Valid while the hit is pinned. On a non-coherent mapping the payload's
         lines are flushed first, so the CPU reads what the writer's DMA left.
@@ -672,10 +683,11 @@ cdef class KVCache:
             from cxlrt.errors import UnsupportedError
             raise UnsupportedError(f"views: {self.region.backend.scheme}: memory is not "
                                    "mappable; use load()")
+        start, stop = _range(start, stop, hit.n)
         cdef uint64_t i
         cdef int rc
         out = []
-        for i in range(hit.n):
+        for i in range(start, stop):
             self.region._busy += 1  # Region.close() refuses while we run without the GIL
             try:
                 with nogil:
@@ -697,7 +709,9 @@ cdef class KVCache:
         """Store `blocks` under `keys`; returns the keys this call stored.
 
         `blocks` is a sequence of len(keys) buffers of block_bytes each, or one
-        contiguous buffer of len(keys) * block_bytes. Keys already present or
+        contiguous buffer of len(keys) * block_bytes. CUDA tensors come to a pinned
+        bounce buffer kept per cache by asynchronous copies, chunk by chunk, the
+        next chunk's copy overlapping this one's store. Keys already present or
         being written by another live writer are skipped (exactly one copy wins).
         When slots or heap run out, least-recently-used unpinned blocks are
         evicted; keys that still find no room are left out of the result, not an
@@ -713,7 +727,10 @@ cdef class KVCache:
         self._need_open()
         cdef list ks = _keys(keys)
         cdef uint64_t n = len(ks), bb = self.block_bytes
-        from cxlrt._buffers import sources
+        from cxlrt._buffers import cuda_buffers, sources
+        if cuda_buffers(blocks):
+            from cxlrt._cuda import store_cuda
+            return store_cuda(self, ks, blocks)
         srcs = sources(blocks, n, bb)
         cdef uint64_t st[KV_ST_WORDS]
         memset(st, 0, sizeof(st))
@@ -1010,6 +1027,16 @@ cdef class Hit:
 
     def __repr__(self):
         return f"<Hit {self.n} blocks{' released' if self.released else ''}>"
+
+
+cdef tuple _range(start, stop, uint64_t n):
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= n:
+        raise ValueError(f"start must be an int in 0..{n}, got {start!r}")
+    if stop is None:
+        stop = n
+    if isinstance(stop, bool) or not isinstance(stop, int) or not start <= stop <= n:
+        raise ValueError(f"stop must be an int in {start}..{n}, got {stop!r}")
+    return start, stop
 
 
 cdef list _keys(keys):

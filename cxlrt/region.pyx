@@ -415,6 +415,28 @@ cdef class Region:
             self._busy -= 1
         self._rc(rc, "dma_write", off, n)
 
+    def register_cuda(self):
+        """Page-lock the mapping for CUDA (cudaHostRegister, in pieces of at most
+        128 GiB), so host-device copies run straight from region memory. Idempotent;
+        undone by close() before the unmap. Raises UnsupportedError without a CUDA
+        device or on a backend that is not mappable, CudaRegistrationError when the
+        driver refuses (nothing then stays registered: no silent pageable copies)."""
+        from cxlrt import _cuda
+        holder = _cuda.register(self)
+        if holder is not None:
+            self._closing.add(holder)  # closed with the dependents, before the unmap
+
+    @property
+    def cuda_registered(self):
+        from cxlrt import _cuda
+        return _cuda.registered(self)
+
+    def tensor(self, uint64_t off, shape, dtype):
+        """A CPU torch tensor of `shape` and `dtype` over the medium at `off` (mappable
+        backends): a DMA window, like view(); close() refuses while it is alive."""
+        from cxlrt import _cuda
+        return _cuda.tensor(self, off, shape, dtype)
+
     def view(self, uint64_t off, uint64_t n):
         """A writable memoryview of the medium ``[off, off+n)`` (mappable backends).
 

@@ -31,7 +31,6 @@ from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_popcount64,
                                     unlikely)
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
-from cxlrt.includes.mutex cimport cxl_mutex_lock, cxl_mutex_unlock
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, CXL_LINE_SIZE,
                            CXL_LINE_WORDS, CXL_OFF_MASK, CXL_RFREE_APPLIED, CXL_RFREE_PENDING, CXL_SMALL_MAGIC,
@@ -49,7 +48,8 @@ from cxlrt.layout cimport (cxl_ck_kind as _kind, cxl_ck_low as _low, cxl_ck_owne
                            cxl_ck_word as _word)
 from cxlrt.liveness cimport (cxl_live, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_t0, cxl_live_verify)
-from cxlrt.lock cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService, cxl_lock_acquire,
+from cxlrt.lock cimport (CXL_HELD_HEAP, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockService,
+                         cxl_local_mutex_enter, cxl_local_mutex_exit, cxl_lock_acquire,
                          cxl_lock_release)
 from cxlrt.lock cimport cxl_lock_held
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
@@ -801,7 +801,7 @@ cdef int _heap_lock(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     """
     cdef cxl_local_heap* h = A.heap
     cdef uint32_t i
-    cdef int rc = cxl_mutex_lock(&h.m)
+    cdef int rc = cxl_local_mutex_enter(A.L, &h.m, CXL_HELD_HEAP, <uint64_t>-1, True)
     if rc == 0:
         return 0
     if rc < 0:
@@ -814,7 +814,7 @@ cdef int _heap_lock(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     h.rebuilds += 1
     rc = _journal_apply(A, applied)
     if rc != 0:
-        cxl_mutex_unlock(&h.m)
+        cxl_local_mutex_exit(A.L, &h.m, CXL_HELD_HEAP)
     return rc
 
 
@@ -824,7 +824,7 @@ cdef int cxl_drain(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     if rc != 0:
         return rc
     rc = _drain_locked(A, applied)
-    cxl_mutex_unlock(&A.heap.m)
+    cxl_local_mutex_exit(A.L, &A.heap.m, CXL_HELD_HEAP)
     return rc
 
 
@@ -907,7 +907,7 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     A.ticks += 1
     if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
         _peek_drain(A)
-    cxl_mutex_unlock(&h.m)
+    cxl_local_mutex_exit(A.L, &h.m, CXL_HELD_HEAP)
     return rc
 
 
@@ -1006,7 +1006,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     A.ticks += 1
     if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
         _peek_drain(A)
-    cxl_mutex_unlock(&h.m)
+    cxl_local_mutex_exit(A.L, &h.m, CXL_HELD_HEAP)
     return rc
 
 
@@ -1065,7 +1065,7 @@ cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
                 if h.spare[c] == k + 1:
                     h.spare[c] = 0
                 rc = _release_chunk(A, k)
-    cxl_mutex_unlock(&h.m)
+    cxl_local_mutex_exit(A.L, &h.m, CXL_HELD_HEAP)
     return rc
 
 

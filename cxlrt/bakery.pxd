@@ -15,9 +15,9 @@ from cxlrt.backend cimport (cxl_load64, cxl_window, cxl_window_observe64,
                             cxl_window_open, cxl_window_persist, cxl_window_publish,
                             cxl_window_store64)
 from cxlrt.crash cimport cxl_crash_hit
-from cxlrt.includes.intrin cimport (cxl_backoff, cxl_fence_release, cxl_fence_sc,
-                                    cxl_load64_volatile, cxl_now_ns, cxl_store64_volatile,
-                                    unlikely)
+from cxlrt.includes.intrin cimport (cxl_atomic_load_acquire32, cxl_backoff, cxl_fence_release,
+                                    cxl_fence_sc, cxl_load64_volatile, cxl_now_ns,
+                                    cxl_store64_volatile, unlikely)
 from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_ln_acq, cxl_ln_choosing, cxl_ln_number,
                            cxl_lock_line_off, cxl_lock_record_bytes)
 from cxlrt.lockctx cimport (CXL_DEAD_CHECK_NS, cxl_lock_line, cxl_lock_record, cxl_lockctx,
@@ -222,6 +222,8 @@ cdef inline int _wait_on(cxl_lockctx* L, const cxl_window* w, words k, uint32_t 
     cdef int rc, tick
     while True:
         if unlikely(w.r.closed):  # a plain window's words do not check it themselves
+            return CXLRT_E_CLOSED
+        if unlikely(cxl_atomic_load_acquire32(&L.closing)):  # leave while the mapping lives
             return CXLRT_E_CLOSED
         rc = _observe(w, k, word, &v)
         if rc != 0:

@@ -29,13 +29,18 @@ from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
 from cxlrt.liveness cimport Liveness, cxl_live
-from cxlrt.lockctx cimport (CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXL_LOCK_MANAGER, CXL_LOCK_META,
-                            CXL_LOCK_READY, cxl_lock_record, cxl_lockctx, cxl_node_dead)
+from cxlrt.includes.mutex cimport pthread_mutex_t
+from cxlrt.lockctx cimport (CXL_HELD_HEAP, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, CXL_LOCK_MANAGER,
+                            CXL_LOCK_META, CXL_LOCK_READY, cxl_lock_record, cxl_lockctx,
+                            cxl_node_dead)
 from cxlrt.lockmgr cimport cxl_mgr_pace
 from cxlrt.nodelocal cimport NodeLocal
 from cxlrt.region cimport Region
 
 
+cdef int cxl_local_mutex_enter(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx,
+                               uint64_t deadline, bint mark) noexcept nogil
+cdef void cxl_local_mutex_exit(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx) noexcept nogil
 cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
                           int* recovered) noexcept nogil
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil
@@ -62,6 +67,7 @@ cdef class LockService:
     cdef bint _closed
     cdef uint64_t _spin_ns               # our manager spins this long after a grant changed
     cdef cxl_mgr_pace _pace              # its pacing state and counts (manager thread only)
+    cdef object __weakref__              # the fork handler's WeakSet
 
     cdef uint64_t _rec(self, uint32_t i)
 

@@ -11,17 +11,20 @@ holder of our node, and the Python layer (LockService, Lock, the lock table).
 import os
 import threading
 import time
+import weakref
 
-from libc.errno cimport ETIMEDOUT
+from libc.errno cimport EBUSY, ETIMEDOUT
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from cxlrt.backend cimport cxl_observe, cxl_region
 from cxlrt.bakery cimport cxl_bakery_acquire, cxl_bakery_release
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport CXL_ASSERT, cxl_now_ns, cxl_pid, unlikely
-from cxlrt.includes.mutex cimport (cxl_mutex_lock, cxl_mutex_timedlock, cxl_mutex_trylock,
-                                   cxl_mutex_unlock)
+from cxlrt.includes.intrin cimport (CXL_ASSERT, cxl_atomic_add_acqrel64,
+                                    cxl_atomic_load_acquire32, cxl_atomic_store_release32,
+                                    cxl_now_ns, cxl_pid, unlikely)
+from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_trylock, cxl_mutex_unlock,
+                                   pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_set_timerslack_1ns
 from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_LOCK_NAME, CXL_MAX_LOCKS, cxl_ln_acq,
                            cxl_ln_choosing, cxl_ln_number, cxl_ln_rel, cxl_ln_req,
@@ -30,12 +33,13 @@ from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_LOCK_NAME, CXL_MAX_LOCKS, cxl_ln_a
                            cxl_mgr_beat, cxl_mgr_claim, cxl_mgr_pid)
 from cxlrt.liveness cimport (Liveness, cxl_live_fenced, cxl_live_remaining_ns,
                              cxl_live_silent_since, cxl_live_verify)
-from cxlrt.lockctx cimport cxl_lock_line, cxl_lock_slot
+from cxlrt.lockctx cimport CXL_HELD_SLOTS, cxl_lock_line, cxl_lock_slot
 from cxlrt.lockmgr cimport (cxl_grant_node1, cxl_grant_seq, cxl_mgr_acquire, cxl_mgr_lock,
                             cxl_mgr_passes, cxl_mgr_release, cxl_mgr_withdraw)
 from cxlrt.nodelocal cimport NodeLocal, cxl_local_lock
 from cxlrt.region cimport Region
-from cxlrt.status cimport (CXLRT_E_FENCED, CXLRT_E_LOCKSTATE, CXLRT_E_NOMANAGER, CXLRT_E_TIMEOUT,
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_FENCED, CXLRT_E_LOCKSTATE, CXLRT_E_NOMANAGER,
+                           CXLRT_E_TIMEOUT,
                            check_rc)
 
 from cxlrt.errors import LeaseLost, LockTimeout, NoLockManager, RegionError
@@ -45,6 +49,10 @@ cdef extern from "cxl_intrin.h" nogil:
     uint32_t cxl_thread_id()
 
 cdef int* _armed = cxl_crash_armed_ptr()
+
+# A waiter for the node-local mutex looks up this often to see whether its region is
+# closing (the holder may be another process of the node, which our close cannot wake).
+cdef uint64_t LOCAL_SLICE_NS = 20_000_000
 
 
 # A manager-mode waiter gives up once no manager has made a pass for this long, or two
@@ -68,6 +76,50 @@ cdef int _global_reset(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogi
     return cxl_mgr_withdraw(L, id)
 
 
+cdef int cxl_local_mutex_enter(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx,
+                               uint64_t deadline, bint mark) noexcept nogil:
+    """Take a node-local mutex of this service's mapping (lock slot idx's, or the
+    node heap's at CXL_HELD_HEAP) for this thread, counted in L.inside until
+    cxl_local_mutex_exit: Region.close() retires no mapping while a thread waits for,
+    holds or is letting go of one (a mutex let go through a retired mapping stays
+    owned for good). 0; 1 when the previous holder died; or an error, and then
+    nothing is held or counted. The wait is sliced: Region.close() makes it leave.
+    `mark`: record this thread in L.held now (a two-tier lock does so only once its
+    global tier is held too: a waiter there holds no lock a closer should wait for)."""
+    cdef uint64_t now, left
+    cdef int rc
+    cxl_atomic_add_acqrel64(&L.inside, 1)
+    if unlikely(cxl_atomic_load_acquire32(&L.closing)):
+        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
+        return CXLRT_E_CLOSED
+    rc = cxl_mutex_trylock(m)  # uncontended: no clock read, no timed wait
+    while rc < 0:
+        if rc != -EBUSY and rc != -ETIMEDOUT:
+            break
+        if unlikely(cxl_atomic_load_acquire32(&L.closing)):
+            rc = CXLRT_E_CLOSED
+            break
+        now = cxl_now_ns()
+        if now >= deadline:
+            rc = CXLRT_E_TIMEOUT
+            break
+        left = deadline - now
+        rc = cxl_mutex_timedlock(m, left if left < LOCAL_SLICE_NS else LOCAL_SLICE_NS)
+    if rc < 0:
+        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
+        return rc
+    if mark:
+        cxl_atomic_store_release32(&L.held[idx], cxl_thread_id())
+    return rc
+
+
+cdef void cxl_local_mutex_exit(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx) noexcept nogil:
+    """Let go of what cxl_local_mutex_enter took; the count drops after the unlock."""
+    cxl_atomic_store_release32(&L.held[idx], 0)
+    cxl_mutex_unlock(m)
+    cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
+
+
 cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
                           int* recovered) noexcept nogil:
     """Take lock `id`: the node-local robust mutex, then the global tier."""
@@ -76,12 +128,7 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     cdef int rc
     if timeout_ns < (<uint64_t>1 << 62):
         deadline = cxl_now_ns() + timeout_ns
-    rc = cxl_mutex_trylock(&s.m)  # uncontended: no clock read, no timed wait
-    if rc < 0:
-        rc = cxl_mutex_timedlock(&s.m, timeout_ns if timeout_ns < (<uint64_t>1 << 62)
-                                 else <uint64_t>1 << 62)
-    if rc == -ETIMEDOUT:
-        return CXLRT_E_TIMEOUT
+    rc = cxl_local_mutex_enter(L, &s.m, id, deadline, False)
     if rc < 0:
         return rc
     if rc == 1:
@@ -95,10 +142,12 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     if unlikely(cxl_live_fenced(L.live)):
         s.holder_pid = 0
         s.holder_tid = 0
-        cxl_mutex_unlock(&s.m)
+        cxl_local_mutex_exit(L, &s.m, id)
         return CXLRT_E_FENCED
     s.global_held = 1  # before any global write: a crash from here on is swept
-    if mode == CXL_LOCK_BAKERY:
+    if unlikely(cxl_atomic_load_acquire32(&L.closing)):
+        rc = CXLRT_E_CLOSED
+    elif mode == CXL_LOCK_BAKERY:
         rc = cxl_bakery_acquire(L, id, deadline)
     else:
         rc = cxl_mgr_acquire(L, id, deadline)
@@ -106,8 +155,9 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         s.global_held = 0
         s.holder_pid = 0
         s.holder_tid = 0
-        cxl_mutex_unlock(&s.m)
+        cxl_local_mutex_exit(L, &s.m, id)
         return rc
+    cxl_atomic_store_release32(&L.held[id], cxl_thread_id())
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.acquire.held")
     return 0
@@ -133,7 +183,7 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     s.global_held = 0
     s.holder_pid = 0
     s.holder_tid = 0
-    cxl_mutex_unlock(&s.m)
+    cxl_local_mutex_exit(L, &s.m, id)
     return rc
 
 
@@ -148,19 +198,24 @@ cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """Take only lock `id`'s node-local mutex: serialises this node's processes
     over state that only this node writes (a KV cache's pin counters), with no
     global tier. 0; 1 when the previous holder died holding it (the caller
-    repairs what it guards); or a negative errno."""
+    repairs what it guards); or a negative error (CXLRT_E_CLOSED once the region
+    is closing)."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
-    cdef int rc = cxl_mutex_trylock(&s.m)
-    if rc < 0:
-        rc = cxl_mutex_lock(&s.m)
-    return _local_took(s, rc)
+    return _local_took(s, cxl_local_mutex_enter(L, &s.m, id, <uint64_t>-1, True))
 
 
 cdef int cxl_local_try_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """cxl_local_enter if the mutex is free this instant, without waiting: -EBUSY
     when another thread (or this one) holds it."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
-    return _local_took(s, cxl_mutex_trylock(&s.m))
+    cdef int rc
+    cxl_atomic_add_acqrel64(&L.inside, 1)
+    rc = CXLRT_E_CLOSED if cxl_atomic_load_acquire32(&L.closing) else cxl_mutex_trylock(&s.m)
+    if rc < 0:
+        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
+        return rc
+    cxl_atomic_store_release32(&L.held[id], cxl_thread_id())
+    return _local_took(s, rc)
 
 
 cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil:
@@ -177,7 +232,7 @@ cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil:
                b"node-local mutex left by a thread that does not hold it")
     s.holder_pid = 0
     s.holder_tid = 0
-    cxl_mutex_unlock(&s.m)
+    cxl_local_mutex_exit(L, &s.m, id)
 
 
 cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
@@ -267,6 +322,17 @@ cdef uint64_t _mgr_words(region, uint32_t node) except? 0:
     return cxl_mgr_area_off(region.sections["nodes"][0], node)
 
 
+_services = weakref.WeakSet()  # every LockService of this process, for the fork handler
+
+
+def _reset_after_fork():
+    for svc in list(_services):
+        svc._after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 cdef class LockService:
     """Per-Region lock machinery: node-local lock slots and the lock manager.
 
@@ -298,6 +364,10 @@ cdef class LockService:
         self._mgr_thread = None
         self.mgr_epoch = 0
         self.mgr_exit = None
+        self.L.closing = 0
+        self.L.inside = 0
+        memset(self.L.held, 0, sizeof(self.L.held))
+        _services.add(self)
         live.set_sweep(cxl_lock_sweep, &self.L, self)
 
     def sweep(self):
@@ -557,6 +627,100 @@ cdef class LockService:
 
     def node_dead(self, uint32_t j):
         return bool(cxl_node_dead(&self.L, j))
+
+    # Region.close() ------------------------------------------------------------------
+
+    def _held(self, bint by_this_thread):
+        """[(index, tid)] of this service's node-local mutexes held by a live thread of
+        this process (by this thread only, if asked). Holds through another Region of
+        the node are that Region's business; a thread that exited holding one holds
+        nothing (its robust mutex goes to the next taker as recovered)."""
+        cdef uint32_t tid = cxl_thread_id(), t, i
+        out = []
+        for i in range(CXL_HELD_SLOTS):
+            t = cxl_atomic_load_acquire32(&self.L.held[i])
+            if t == 0 or (by_this_thread and t != tid):
+                continue
+            if t != tid and not os.path.exists(f"/proc/self/task/{t}"):
+                continue
+            out.append((i, t))
+        return out
+
+    def _held_split(self):
+        """(held by live threads of ours, as _held(False); count held by exited ones),
+        from one pass over the table."""
+        cdef uint32_t t, i
+        live, dead = [], 0
+        for i in range(CXL_HELD_SLOTS):
+            t = cxl_atomic_load_acquire32(&self.L.held[i])
+            if t == 0:
+                continue
+            if t == cxl_thread_id() or os.path.exists(f"/proc/self/task/{t}"):
+                live.append((i, t))
+            else:
+                dead += 1
+        return live, dead
+
+    def _names(self, held):
+        out = []
+        for i, _ in held:
+            if i == CXL_HELD_HEAP:
+                out.append("the node heap (an allocation)")
+                continue
+            try:
+                hdr = self._read_header(i)
+            except Exception:  # a name for the message only
+                hdr = None
+            out.append(repr(hdr[0]) if hdr else f"#{i}")
+        return ", ".join(out)
+
+    def check_close(self, double wait_s):
+        """Region.close(), before it changes anything: refuse while the calling thread
+        holds a lock (only the owner can release a pthread mutex, so a closed life would
+        leave it held for good), and wait up to `wait_s` for other threads' holds."""
+        held = self._held(True)
+        if held:
+            raise RegionError(f"{self.region.spec}: close(): lock {self._names(held)} is held "
+                              "by this thread; release it first")
+        deadline = time.monotonic() + wait_s
+        while True:
+            held = self._held(False)
+            if not held:
+                return
+            if time.monotonic() > deadline:
+                raise RegionError(f"{self.region.spec}: close(): lock {self._names(held)} is "
+                                  f"still held by another thread of this process after "
+                                  f"{wait_s:g} s; nothing was closed")
+            time.sleep(0.001)
+
+    def quiesce(self, double wait_s):
+        """Region.close(), before any mapping goes: waiters leave (they see `closing`
+        and give up with RegionClosedError through the live mappings), and every
+        node-local mutex section of a live thread of ours ends. On timeout the close
+        is called off (RegionError) and locks work again."""
+        cdef uint64_t inside
+        cxl_atomic_store_release32(&self.L.closing, 1)
+        deadline = time.monotonic() + wait_s
+        while True:
+            inside = cxl_atomic_add_acqrel64(&self.L.inside, 0)
+            held, dead = self._held_split()
+            if inside <= dead:  # a dead thread's section never ends: its mutex is robust
+                return
+            if time.monotonic() > deadline:
+                cxl_atomic_store_release32(&self.L.closing, 0)
+                raise RegionError(
+                    f"{self.region.spec}: close(): " + (
+                        f"lock {self._names(held)} is still held by another thread of this "
+                        "process" if held else f"{inside} thread(s) of this process are still "
+                        "waiting for a lock") + f" after {wait_s:g} s; the region stays open, "
+                    "its KV caches and channels are closed")
+            time.sleep(0.001)
+
+    def _after_fork(self):
+        """The child has one thread: none of the parent's waiters is inside here."""
+        self.L.inside = 0
+        self.L.closing = 0
+        memset(self.L.held, 0, sizeof(self.L.held))
 
     def close(self):
         if self._closed:

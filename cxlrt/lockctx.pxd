@@ -7,7 +7,8 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
-from cxlrt.layout cimport cxl_lock_grant_off, cxl_lock_line_off, cxl_lock_record_off
+from cxlrt.layout cimport (CXL_MAX_LOCKS, cxl_lock_grant_off, cxl_lock_line_off,
+                           cxl_lock_record_off)
 from cxlrt.liveness cimport cxl_live, cxl_node_gone
 from cxlrt.nodelocal cimport CXL_LOCAL_LOCK_BYTES, cxl_local_lock
 
@@ -19,6 +20,8 @@ cdef enum:
     CXL_LOCK_META = 0      # lock 0 guards the lock table and the directory
     CXL_LOCK_ALLOC = 1     # lock 1 guards the chunk table and remote-free queues
     CXL_DEAD_CHECK_NS = 20000000  # how often a waiter re-reads the heartbeat it waits on
+    CXL_HELD_HEAP = CXL_MAX_LOCKS  # held[] index of the node heap's mutex (the allocator)
+    CXL_HELD_SLOTS = CXL_MAX_LOCKS + 1
 
 
 ctypedef struct cxl_lockctx:
@@ -32,6 +35,9 @@ ctypedef struct cxl_lockctx:
     uint32_t nodes
     uint32_t node
     int* armed                # crash.pxd's process-wide flag: a crash point is armed
+    uint32_t closing          # Region.close() has begun: waiters leave (CXLRT_E_CLOSED)
+    uint64_t inside           # our threads waiting for, holding or leaving a node-local mutex
+    uint32_t held[CXL_HELD_SLOTS]  # which of our threads holds each (0: none), this service only
 
 
 cdef inline cxl_local_lock* cxl_lock_slot(cxl_lockctx* L, uint32_t id) noexcept nogil:

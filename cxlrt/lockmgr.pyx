@@ -11,7 +11,8 @@ from libc.string cimport memset
 from cxlrt.backend cimport (cxl_load64, cxl_observe, cxl_observe64, cxl_persist, cxl_region,
                             cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport cxl_cpu_relax, cxl_now_ns, unlikely
+from cxlrt.includes.intrin cimport (cxl_atomic_load_acquire32, cxl_cpu_relax, cxl_now_ns,
+                                    unlikely)
 from cxlrt.includes.thread cimport cxl_sleep_ns
 from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_claim_epoch, cxl_ln_accepted, cxl_ln_acq, cxl_ln_rel,
                            cxl_ln_req, cxl_lock_node_line, cxl_mgr_area_off, cxl_mgr_beat,
@@ -19,7 +20,8 @@ from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_claim_epoch, cxl_ln_accepted, cxl_
 from cxlrt.liveness cimport cxl_node_gone
 from cxlrt.lockctx cimport (CXL_DEAD_CHECK_NS, cxl_lock_grant, cxl_lock_line,
                             cxl_lock_slot, cxl_lockctx, cxl_node_dead)
-from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_FENCED, CXLRT_E_NOMANAGER, CXLRT_E_TIMEOUT
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_FENCED, CXLRT_E_NOMANAGER,
+                          CXLRT_E_TIMEOUT)
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
@@ -135,6 +137,9 @@ cdef int cxl_mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
                     cxl_store64(r, cxl_ln_acq(me), acq + 1)
                 return 0
         if unlikely((spins & 63) == 63):
+            if cxl_atomic_load_acquire32(&L.closing):  # leave while the mapping lives
+                rc = CXLRT_E_CLOSED
+                break
             now = cxl_now_ns()
             if now > deadline:
                 rc = CXLRT_E_TIMEOUT

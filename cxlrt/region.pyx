@@ -23,6 +23,9 @@ from cxlrt import superblock as _sb
 from cxlrt.caps import Caps
 from cxlrt.errors import NotARegionError, RegionError, RegionSizeError, UnsupportedError
 
+# close() waits this long for other threads' lock holds to end before it gives up.
+CLOSE_WAIT_S = 10.0
+
 # Below this many bytes a copy costs less than releasing and retaking the GIL.
 DEF_NOGIL_BYTES = 4096
 
@@ -116,10 +119,18 @@ cdef class Region:
         return self.sections["nodes"][0] + node * _sb.NODE_AREA
 
     def close(self):
-        """Detach: delayed flushes are completed, the mapping is released. Idempotent."""
+        """Detach: delayed flushes are completed, the mapping is released. Idempotent.
+
+        Refused (RegionError, nothing changed) while this thread holds one of the
+        region's locks; other threads' holds are waited for (CLOSE_WAIT_S), and
+        threads waiting for a lock leave with RegionClosedError first."""
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
+        if self._locks is not None:
+            # Refused while this thread holds a lock, and waits for other threads' holds,
+            # before anything is closed.
+            self._locks.check_close(CLOSE_WAIT_S)
         # Dependents first (KV caches, channels), while the mapping is still there:
         # pending counters are published and pins and roles given back, not left for
         # a later life of this process or node to recover. Their hits and locks then
@@ -127,9 +138,14 @@ cdef class Region:
         for obj in list(self._closing):
             obj.close()
         self._closing.clear()
-        live, self._live = self._live, None
         if self._locks is not None:
             self._locks.stop_manager()
+            if not self.r.closed:
+                # Waiters leave, and every node-local mutex section of ours ends,
+                # while the node-local and region mappings are live: a mutex let go
+                # through a retired mapping stays owned by its thread for good.
+                self._locks.quiesce(CLOSE_WAIT_S)
+        live, self._live = self._live, None
         if live is not None and not self.r.closed:
             # Give back what dead processes of our node hold before we may declare
             # the node detached: a detach never hides a dead sibling's holds.

@@ -272,6 +272,99 @@ def test_a_waiter_whose_region_closes_gives_up_with_a_clear_error(backend, mode)
         a.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_region_closed_under_its_waiters_leaves_the_lock_usable(backend, mode):
+    """Two waiters of node 1 in one process, one in the global tier (it holds the
+    node-local mutex) and one on that mutex, each round, three rounds: close() must let
+    both leave through the live mapping. A waiter that let go of the mutex through a
+    retired mapping left the real one owned, and the next life of node 1 in this
+    process waited on it until its timeout."""
+    a = backend.create(nodes=2, lock_manager=(mode == "manager"))
+    la = a.lock("w", mode=mode)
+    assert la.acquire()
+    try:
+        for rnd in range(3):
+            b = backend.open(1)
+            lb = b.lock("w")
+            out = []
+
+            def wait(lb=lb, out=out):
+                try:
+                    out.append(lb.acquire(timeout=20))
+                except Exception as e:  # what the waiter saw is the result
+                    out.append(e)
+
+            ts = [threading.Thread(target=wait) for _ in range(2)]
+            for t in ts:
+                t.start()
+            time.sleep(0.2)
+            assert not out, (rnd, out)
+            t0 = time.monotonic()
+            b.close()
+            assert time.monotonic() - t0 < 5, "close() waited out a waiter's timeout"
+            for t in ts:
+                t.join(5)
+            assert not any(t.is_alive() for t in ts), f"round {rnd}: a waiter is still waiting"
+            assert len(out) == 2 and all(isinstance(e, cxlrt.RegionClosedError) for e in out), \
+                (rnd, out)
+    finally:
+        la.release()
+    b = backend.open(1)
+    lb = b.lock("w")
+    t0 = time.monotonic()
+    assert lb.acquire(timeout=5), "node 1's lock was left held by a closed life"
+    assert time.monotonic() - t0 < 2
+    lb.release()
+    b.close()
+    assert la.acquire(timeout=5)
+    la.release()
+    a.close()
+
+
+def test_close_while_this_thread_holds_a_lock_is_refused(backend):
+    """Nothing else could give the hold back: pthread mutexes are released by their
+    owner only, so a closed life would leave the lock held by a thread that never
+    returns to it."""
+    r = backend.create(nodes=2)
+    lock = r.lock("h")
+    lock.acquire()
+    with pytest.raises(cxlrt.RegionError, match="'h' is held by this thread"):
+        r.close()
+    assert not r.closed and lock.held_by_me()
+    lock.release()
+    r.close()
+    r2 = backend.open(0)
+    l2 = r2.lock("h")
+    assert l2.acquire(timeout=2)  # free, not "already held by this thread"
+    l2.release()
+    r2.close()
+
+
+def test_close_waits_for_another_threads_hold(backend):
+    r = backend.create(nodes=2)
+    lock = r.lock("h")
+    held, done = threading.Event(), []
+
+    def hold():
+        with lock:
+            held.set()
+            time.sleep(0.5)
+        done.append(time.monotonic())
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    r.close()  # returns once the holder has released
+    closed_at = time.monotonic()
+    t.join(5)
+    assert done and done[0] <= closed_at
+    r2 = backend.open(0)
+    l2 = r2.lock("h")
+    assert l2.acquire(timeout=2)
+    l2.release()
+    r2.close()
+
+
 def test_lock_misuse_is_a_clear_error(backend):
     r = backend.create(nodes=2)
     lock = r.lock("x")
@@ -349,3 +442,49 @@ def test_a_waiter_gives_up_on_a_stopped_manager_but_not_on_a_running_one(backend
         go.set()
         mgr.join(30)
     r.close()
+
+
+def test_close_waits_for_a_thread_inside_the_node_heap(backend):
+    """The allocator's node-local heap mutex is in the same mapping as the lock slots:
+    a close() during a long trim() (applying remote frees under that mutex) must wait
+    for it. Before, the trim let go of the mutex through the retired mapping and the
+    node's allocator stayed wedged for every process of the node."""
+    r0 = backend.create(nodes=2, size="64M")
+    r1 = backend.open(1)
+    n, overlapped = 20000, False
+    while not overlapped and n <= 320000:
+        offs = [r0.alloc(64) for _ in range(n)]
+        for o in offs:
+            r1.free(o)  # queued for node 0, applied by its trim() under the heap mutex
+        span = {}
+
+        def trim(span=span):
+            span["t0"] = time.monotonic()
+            try:
+                span["rc"] = r0.trim()
+            except Exception as e:  # what the trim saw is the result
+                span["rc"] = e
+            span["t1"] = time.monotonic()
+
+        t = threading.Thread(target=trim)
+        t.start()
+        while "t0" not in span:
+            time.sleep(0.0005)
+        time.sleep(0.002)
+        c0 = time.monotonic()
+        if "t1" not in span:  # the trim is running: close now, else retry with more frees
+            r0.close()
+            c1 = time.monotonic()
+            t.join(30)
+            overlapped = c0 < span["t1"]
+            if overlapped:
+                assert span["rc"] is None, span["rc"]  # the trim finished, not cut off
+                assert c1 >= span["t1"], "close() retired the heap under the trim"
+            r0 = backend.open(0)
+        else:
+            t.join(30)
+        n *= 2
+    assert overlapped, "no trim long enough to overlap a close (machine too fast?)"
+    assert r0.alloc(64)  # the heap mutex is free: not owned by the exited trim thread
+    r0.close()
+    r1.close()

@@ -67,7 +67,6 @@ cdef class LockService:
     cdef bint _closed
     cdef uint64_t _spin_ns               # our manager spins this long after a grant changed
     cdef cxl_mgr_pace _pace              # its pacing state and counts (manager thread only)
-    cdef object __weakref__              # the fork handler's WeakSet
 
     cdef uint64_t _rec(self, uint32_t i)
 

@@ -11,7 +11,6 @@ holder of our node, and the Python layer (LockService, Lock, the lock table).
 import os
 import threading
 import time
-import weakref
 
 from libc.errno cimport EBUSY, ETIMEDOUT
 from libc.stdint cimport uint32_t, uint64_t
@@ -20,9 +19,8 @@ from libc.string cimport memcpy, memset
 from cxlrt.backend cimport cxl_observe, cxl_region
 from cxlrt.bakery cimport cxl_bakery_acquire, cxl_bakery_release
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport (CXL_ASSERT, cxl_atomic_add_acqrel64,
-                                    cxl_atomic_load_acquire32, cxl_atomic_store_release32,
-                                    cxl_now_ns, cxl_pid, unlikely)
+from cxlrt.includes.intrin cimport (CXL_ASSERT, cxl_atomic_load_acquire32,
+                                    cxl_atomic_store_release32, cxl_now_ns, cxl_pid, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_trylock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_set_timerslack_1ns
@@ -79,18 +77,17 @@ cdef int _global_reset(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogi
 cdef int cxl_local_mutex_enter(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx,
                                uint64_t deadline, bint mark) noexcept nogil:
     """Take a node-local mutex of this service's mapping (lock slot idx's, or the
-    node heap's at CXL_HELD_HEAP) for this thread, counted in L.inside until
-    cxl_local_mutex_exit: Region.close() retires no mapping while a thread waits for,
-    holds or is letting go of one (a mutex let go through a retired mapping stays
-    owned for good). 0; 1 when the previous holder died; or an error, and then
-    nothing is held or counted. The wait is sliced: Region.close() makes it leave.
-    `mark`: record this thread in L.held now (a two-tier lock does so only once its
-    global tier is held too: a waiter there holds no lock a closer should wait for)."""
+    node heap's at CXL_HELD_HEAP) for this thread: 0; 1 when the previous holder
+    died; or an error (CXLRT_E_CLOSED once Region.close() has begun), and then
+    nothing is held. The wait is sliced, so a close makes it leave even when the
+    holder is another process of the node. `mark`: record this thread in L.held now
+    (a two-tier lock does so only once its global tier is held too: a waiter there
+    holds nothing a closer should wait for). The mapping itself outlives close() for
+    as long as a user of it does (NodeLocal.close), so a section that ends after a
+    close lets go of the real mutex."""
     cdef uint64_t now, left
     cdef int rc
-    cxl_atomic_add_acqrel64(&L.inside, 1)
     if unlikely(cxl_atomic_load_acquire32(&L.closing)):
-        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
         return CXLRT_E_CLOSED
     rc = cxl_mutex_trylock(m)  # uncontended: no clock read, no timed wait
     while rc < 0:
@@ -105,19 +102,14 @@ cdef int cxl_local_mutex_enter(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx,
             break
         left = deadline - now
         rc = cxl_mutex_timedlock(m, left if left < LOCAL_SLICE_NS else LOCAL_SLICE_NS)
-    if rc < 0:
-        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
-        return rc
-    if mark:
-        cxl_atomic_store_release32(&L.held[idx], cxl_thread_id())
+    if rc >= 0 and mark:
+        L.held[idx] = cxl_thread_id()
     return rc
 
 
 cdef void cxl_local_mutex_exit(cxl_lockctx* L, pthread_mutex_t* m, uint32_t idx) noexcept nogil:
-    """Let go of what cxl_local_mutex_enter took; the count drops after the unlock."""
-    cxl_atomic_store_release32(&L.held[idx], 0)
+    L.held[idx] = 0
     cxl_mutex_unlock(m)
-    cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
 
 
 cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t timeout_ns,
@@ -157,7 +149,7 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         s.holder_tid = 0
         cxl_local_mutex_exit(L, &s.m, id)
         return rc
-    cxl_atomic_store_release32(&L.held[id], cxl_thread_id())
+    L.held[id] = cxl_thread_id()
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.acquire.held")
     return 0
@@ -208,13 +200,10 @@ cdef int cxl_local_try_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """cxl_local_enter if the mutex is free this instant, without waiting: -EBUSY
     when another thread (or this one) holds it."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
-    cdef int rc
-    cxl_atomic_add_acqrel64(&L.inside, 1)
-    rc = CXLRT_E_CLOSED if cxl_atomic_load_acquire32(&L.closing) else cxl_mutex_trylock(&s.m)
-    if rc < 0:
-        cxl_atomic_add_acqrel64(&L.inside, <uint64_t>-1)
-        return rc
-    cxl_atomic_store_release32(&L.held[id], cxl_thread_id())
+    cdef int rc = CXLRT_E_CLOSED if cxl_atomic_load_acquire32(&L.closing) \
+        else cxl_mutex_trylock(&s.m)
+    if rc >= 0:
+        L.held[id] = cxl_thread_id()
     return _local_took(s, rc)
 
 
@@ -322,17 +311,6 @@ cdef uint64_t _mgr_words(region, uint32_t node) except? 0:
     return cxl_mgr_area_off(region.sections["nodes"][0], node)
 
 
-_services = weakref.WeakSet()  # every LockService of this process, for the fork handler
-
-
-def _reset_after_fork():
-    for svc in list(_services):
-        svc._after_fork()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
-
-
 cdef class LockService:
     """Per-Region lock machinery: node-local lock slots and the lock manager.
 
@@ -365,9 +343,7 @@ cdef class LockService:
         self.mgr_epoch = 0
         self.mgr_exit = None
         self.L.closing = 0
-        self.L.inside = 0
         memset(self.L.held, 0, sizeof(self.L.held))
-        _services.add(self)
         live.set_sweep(cxl_lock_sweep, &self.L, self)
 
     def sweep(self):
@@ -646,21 +622,6 @@ cdef class LockService:
             out.append((i, t))
         return out
 
-    def _held_split(self):
-        """(held by live threads of ours, as _held(False); count held by exited ones),
-        from one pass over the table."""
-        cdef uint32_t t, i
-        live, dead = [], 0
-        for i in range(CXL_HELD_SLOTS):
-            t = cxl_atomic_load_acquire32(&self.L.held[i])
-            if t == 0:
-                continue
-            if t == cxl_thread_id() or os.path.exists(f"/proc/self/task/{t}"):
-                live.append((i, t))
-            else:
-                dead += 1
-        return live, dead
-
     def _names(self, held):
         out = []
         for i, _ in held:
@@ -693,34 +654,10 @@ cdef class LockService:
                                   f"{wait_s:g} s; nothing was closed")
             time.sleep(0.001)
 
-    def quiesce(self, double wait_s):
-        """Region.close(), before any mapping goes: waiters leave (they see `closing`
-        and give up with RegionClosedError through the live mappings), and every
-        node-local mutex section of a live thread of ours ends. On timeout the close
-        is called off (RegionError) and locks work again."""
-        cdef uint64_t inside
+    def begin_close(self):
+        """Region.close(), before any mapping goes: waiters leave, giving up with
+        RegionClosedError (through mappings that stay until their users are gone)."""
         cxl_atomic_store_release32(&self.L.closing, 1)
-        deadline = time.monotonic() + wait_s
-        while True:
-            inside = cxl_atomic_add_acqrel64(&self.L.inside, 0)
-            held, dead = self._held_split()
-            if inside <= dead:  # a dead thread's section never ends: its mutex is robust
-                return
-            if time.monotonic() > deadline:
-                cxl_atomic_store_release32(&self.L.closing, 0)
-                raise RegionError(
-                    f"{self.region.spec}: close(): " + (
-                        f"lock {self._names(held)} is still held by another thread of this "
-                        "process" if held else f"{inside} thread(s) of this process are still "
-                        "waiting for a lock") + f" after {wait_s:g} s; the region stays open, "
-                    "its KV caches and channels are closed")
-            time.sleep(0.001)
-
-    def _after_fork(self):
-        """The child has one thread: none of the parent's waiters is inside here."""
-        self.L.inside = 0
-        self.L.closing = 0
-        memset(self.L.held, 0, sizeof(self.L.held))
 
     def close(self):
         if self._closed:

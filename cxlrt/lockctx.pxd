@@ -36,8 +36,7 @@ ctypedef struct cxl_lockctx:
     uint32_t node
     int* armed                # crash.pxd's process-wide flag: a crash point is armed
     uint32_t closing          # Region.close() has begun: waiters leave (CXLRT_E_CLOSED)
-    uint64_t inside           # our threads waiting for, holding or leaving a node-local mutex
-    uint32_t held[CXL_HELD_SLOTS]  # which of our threads holds each (0: none), this service only
+    uint32_t held[CXL_HELD_SLOTS]  # which thread of ours holds each (0: none), this service only
 
 
 cdef inline cxl_local_lock* cxl_lock_slot(cxl_lockctx* L, uint32_t id) noexcept nogil:

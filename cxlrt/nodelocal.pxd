@@ -57,6 +57,7 @@ cdef class NodeLocal:
     cdef readonly Mapping mapping  # the node-local file
     cdef readonly str path
     cdef readonly bint fresh       # we created the file: no process of this node held anything
+    cdef readonly bint closed      # its Region closed (the mapping stays while users remain)
     cdef cxl_local_lock* locks     # CXL_MAX_LOCKS slots, CXL_LOCAL_LOCK_BYTES apart
     cdef cxl_local_heap* heap
     cdef uint64_t* counter         # heartbeat counter of the node (atomic add)

@@ -115,7 +115,12 @@ cdef class NodeLocal:
             os.close(fd)
 
     def close(self):
-        self.mapping.close()
+        """Nothing is unmapped here: the mapping goes when the last object that uses
+        it (a Lock, the Allocator, a KV cache, through their LockService) is freed.
+        A thread still inside one of its mutex sections when its Region closes then
+        lets go of the real mutex; through a retired copy it would stay owned by that
+        thread for good, and the node's lock or heap with it."""
+        self.closed = True
 
     @property
     def incarnation(self):

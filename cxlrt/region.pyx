@@ -140,11 +140,7 @@ cdef class Region:
         self._closing.clear()
         if self._locks is not None:
             self._locks.stop_manager()
-            if not self.r.closed:
-                # Waiters leave, and every node-local mutex section of ours ends,
-                # while the node-local and region mappings are live: a mutex let go
-                # through a retired mapping stays owned by its thread for good.
-                self._locks.quiesce(CLOSE_WAIT_S)
+            self._locks.begin_close()  # waiters leave (RegionClosedError)
         live, self._live = self._live, None
         if live is not None and not self.r.closed:
             # Give back what dead processes of our node hold before we may declare

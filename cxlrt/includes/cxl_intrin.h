@@ -125,7 +125,6 @@ static inline int cxl_atomic_cas_acq32(uint32_t *p, uint32_t expect, uint32_t de
 static inline uint64_t cxl_atomic_load_relaxed64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 static inline void cxl_atomic_store_relaxed64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 static inline uint64_t cxl_atomic_add_relaxed64(uint64_t *p, uint64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_RELAXED); }
-static inline uint64_t cxl_atomic_add_acqrel64(uint64_t *p, uint64_t v) { return __atomic_add_fetch(p, v, __ATOMIC_ACQ_REL); }
 
 /* Process id without a system call per use (getpid is a real syscall in glibc
  * >= 2.25); the fork handler keeps it right in children. */

@@ -28,7 +28,6 @@ cdef extern from "cxl_intrin.h" nogil:
     uint64_t cxl_atomic_load_relaxed64(const uint64_t* p)
     void cxl_atomic_store_relaxed64(uint64_t* p, uint64_t v)
     uint64_t cxl_atomic_add_relaxed64(uint64_t* p, uint64_t v)
-    uint64_t cxl_atomic_add_acqrel64(uint64_t* p, uint64_t v)
     uint32_t cxl_thread_id()
     uint64_t cxl_now_ns()
     uint64_t cxl_now_coarse_ns()

@@ -20,7 +20,8 @@ from cxlrt.backend cimport cxl_observe, cxl_region
 from cxlrt.bakery cimport cxl_bakery_acquire, cxl_bakery_release
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport (CXL_ASSERT, cxl_atomic_load_acquire32,
-                                    cxl_atomic_store_release32, cxl_now_ns, cxl_pid, unlikely)
+                                    cxl_atomic_store_release32, cxl_fence_sc, cxl_now_ns,
+                                    cxl_pid, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_trylock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_set_timerslack_1ns
@@ -150,6 +151,18 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         cxl_local_mutex_exit(L, &s.m, id)
         return rc
     L.held[id] = cxl_thread_id()
+    cxl_fence_sc()  # held, then closing; Region.close() stores closing, then reads held
+    if unlikely(cxl_atomic_load_acquire32(&L.closing)):
+        L.held[id] = 0  # a hold that would outlive the close: given back at once
+        if mode == CXL_LOCK_BAKERY:
+            cxl_bakery_release(L, id)
+        else:
+            cxl_mgr_release(L, id)
+        s.global_held = 0
+        s.holder_pid = 0
+        s.holder_tid = 0
+        cxl_local_mutex_exit(L, &s.m, id)
+        return CXLRT_E_CLOSED
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.acquire.held")
     return 0
@@ -635,29 +648,27 @@ cdef class LockService:
             out.append(repr(hdr[0]) if hdr else f"#{i}")
         return ", ".join(out)
 
-    def check_close(self, double wait_s):
-        """Region.close(), before it changes anything: refuse while the calling thread
-        holds a lock (only the owner can release a pthread mutex, so a closed life would
-        leave it held for good), and wait up to `wait_s` for other threads' holds."""
+    def check_close(self):
+        """Refuse Region.close(), before it changes anything, while the calling thread
+        holds a lock: its hold would outlive the region (only the owner can let a
+        pthread mutex go), keeping the lock from this node's other processes."""
         held = self._held(True)
         if held:
             raise RegionError(f"{self.region.spec}: close(): lock {self._names(held)} is held "
                               "by this thread; release it first")
-        deadline = time.monotonic() + wait_s
-        while True:
-            held = self._held(False)
-            if not held:
-                return
-            if time.monotonic() > deadline:
-                raise RegionError(f"{self.region.spec}: close(): lock {self._names(held)} is "
-                                  f"still held by another thread of this process after "
-                                  f"{wait_s:g} s; nothing was closed")
-            time.sleep(0.001)
 
-    def begin_close(self):
-        """Region.close(), before any mapping goes: waiters leave, giving up with
-        RegionClosedError (through mappings that stay until their users are gone)."""
+    def begin_close(self, double wait_s):
+        """Region.close(), before any mapping goes: no acquire succeeds from here on
+        (waiters give up with RegionClosedError; one that got in meanwhile gives its
+        hold back), and other threads' holds are waited for, up to `wait_s`. A hold
+        that outlasts that outlives the close: its release then fails, and its line
+        in the region stays until this node detaches or takes the lock again."""
         cxl_atomic_store_release32(&self.L.closing, 1)
+        cxl_fence_sc()  # closing, then held; an acquirer stores held, then reads closing
+        deadline = time.monotonic() + wait_s
+        me = cxl_thread_id()  # our own hold (close on an exception's way out) ends with us
+        while any(t != me for _, t in self._held(False)) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def close(self):
         if self._closed:

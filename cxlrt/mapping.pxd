@@ -8,5 +8,6 @@ cdef class Mapping:
     cdef readonly bint closed   # close() ran: the file is no longer mapped
     cdef Py_ssize_t _exports    # buffers handed out and not yet released
     cdef Py_ssize_t _shape[1]   # for the buffer protocol
+    cdef readonly bint kept     # keep(): never unmapped, not even at dealloc
 
     cpdef close(self)

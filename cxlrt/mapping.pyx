@@ -90,7 +90,13 @@ cdef class Mapping:
             raise RegionClosedError(f"{self.path!r} is closed")
         return memoryview(self)[off:off + n]
 
+    def keep(self):
+        """Never unmap (a file of robust mutexes: the kernel marks a dead holder's
+        mutex through this address, so it must stay the file's until the process
+        exits)."""
+        self.kept = True
+
     def __dealloc__(self):
-        if self.base != NULL:
+        if self.base != NULL and not self.kept:
             munmap(self.base, self.size)
             self.base = NULL

@@ -78,6 +78,26 @@ def _build(path, uuid, node):
     return tmp
 
 
+# (st_dev, st_ino) -> the one Mapping of that node-local file in this process. Never
+# unmapped: a thread may hold one of its robust mutexes across its Region's close, or
+# until the process exits (a leaked hold, an exception between acquire and release);
+# the kernel then marks the mutex owner-dead through the holder's robust list, which
+# names this address. Unmapped, the mark would miss and the node's lock or heap would
+# stay owned for good. 16 KiB per node file of each region this process used.
+_mappings = {}
+
+
+def _mapping(path):
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino)
+    m = _mappings.get(key)
+    if m is None:
+        m = Mapping(path, TOTAL)
+        m.keep()
+        _mappings[key] = m
+    return m
+
+
 @cython.no_gc_clear  # a beat thread may still use the mapping: the GC must not drop it first
 cdef class NodeLocal:
     """Map (creating if needed) the node-local file of (region format `uuid`, `node`).
@@ -95,7 +115,7 @@ cdef class NodeLocal:
             if not _valid(self.path, uuid, node):
                 os.replace(_build(self.path, uuid, node), self.path)
                 self.fresh = True
-            self.mapping = Mapping(self.path, TOTAL)
+            self.mapping = _mapping(self.path)
             self.locks = <cxl_local_lock*>(self.mapping.base + <size_t>LOCKS_OFF)
             self.heap = <cxl_local_heap*>(self.mapping.base + <size_t>HEAP_OFF)
             self.counter = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_COUNTER_OFF)
@@ -115,11 +135,9 @@ cdef class NodeLocal:
             os.close(fd)
 
     def close(self):
-        """Nothing is unmapped here: the mapping goes when the last object that uses
-        it (a Lock, the Allocator, a KV cache, through their LockService) is freed.
-        A thread still inside one of its mutex sections when its Region closes then
-        lets go of the real mutex; through a retired copy it would stay owned by that
-        thread for good, and the node's lock or heap with it."""
+        """Nothing is unmapped (see _mappings): a thread still inside one of its mutex
+        sections when its Region closes lets go of the real mutex, not of a retired
+        copy that would leave it owned for good."""
         self.closed = True
 
     @property

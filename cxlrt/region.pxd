@@ -19,6 +19,7 @@ cdef class Region:
     cdef object _closing           # WeakSet: dependents closed before the mapping goes
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
+    cdef _close(self, bint held_ok)
 
     cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n, str detail=*) except -1
     cdef tuple _what(self, int rc, str op, uint64_t off, uint64_t n)

@@ -122,15 +122,16 @@ cdef class Region:
         """Detach: delayed flushes are completed, the mapping is released. Idempotent.
 
         Refused (RegionError, nothing changed) while this thread holds one of the
-        region's locks; other threads' holds are waited for (CLOSE_WAIT_S), and
-        threads waiting for a lock leave with RegionClosedError first."""
+        region's locks. Threads waiting for a lock leave with RegionClosedError;
+        other threads' holds are waited for up to CLOSE_WAIT_S."""
+        self._close(False)
+
+    cdef _close(self, bint held_ok):
         if self._busy:
             raise RegionError(f"{self.spec}: close() while another thread is inside a bulk "
                               "copy on this region")
-        if self._locks is not None:
-            # Refused while this thread holds a lock, and waits for other threads' holds,
-            # before anything is closed.
-            self._locks.check_close(CLOSE_WAIT_S)
+        if self._locks is not None and not held_ok:
+            self._locks.check_close()
         # Dependents first (KV caches, channels), while the mapping is still there:
         # pending counters are published and pins and roles given back, not left for
         # a later life of this process or node to recover. Their hits and locks then
@@ -140,7 +141,7 @@ cdef class Region:
         self._closing.clear()
         if self._locks is not None:
             self._locks.stop_manager()
-            self._locks.begin_close()  # waiters leave (RegionClosedError)
+            self._locks.begin_close(CLOSE_WAIT_S)
         live, self._live = self._live, None
         if live is not None and not self.r.closed:
             # Give back what dead processes of our node hold before we may declare
@@ -256,8 +257,11 @@ cdef class Region:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # With an exception on its way out, a hold it left behind does not replace it:
+        # the close goes ahead (the node-local file stays mapped, so the hold ends,
+        # at the latest, when its thread does).
+        self._close(exc_type is not None)
 
     def __repr__(self):
         state = "closed" if self.r.closed else f"node {self.r.node}/{self.nodes}"

@@ -493,3 +493,40 @@ def test_a_close_during_a_heap_section_leaves_the_heap_usable(backend):
     r0.close()
     r1.close()
     assert check(backend.spec())["problems"] == []
+
+
+_LEAK = """
+import sys, cxlrt
+if sys.argv[2] == "raise":
+    with cxlrt.open(sys.argv[1], node=0) as r:
+        r.lock("y").acquire()
+        raise ValueError("user bug between acquire and release")
+r = cxlrt.open(sys.argv[1], node=0)
+r.lock("y").acquire()  # and the interpreter exits holding it, the region never closed
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_hold_a_process_leaves_behind_is_recovered(backend, how):
+    """An exception between acquire and release inside `with cxlrt.open(...)`, or an
+    exit while holding: the user's exception comes out (not a refusal of close), and
+    the next process of the node gets the lock. The node-local file must stay mapped
+    until the process exits, so the kernel marks the mutex owner-dead; unmapped at
+    close or at exit, it stayed owned by the dead thread for good."""
+    import subprocess
+    import sys
+    r = backend.create(nodes=2)
+    r.lock("y")
+    p = subprocess.run([sys.executable, "-c", _LEAK, backend.spec(), how], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ))
+    if how == "raise":
+        assert p.returncode == 1 and "ValueError: user bug" in p.stderr, p.stderr[-800:]
+        assert "RegionError" not in p.stderr, p.stderr[-800:]
+    else:
+        assert p.returncode == 0, p.stderr[-800:]
+    lk = r.lock("y")
+    t0 = time.monotonic()
+    assert lk.acquire(timeout=5), "the hold of a dead process was never recovered"
+    assert time.monotonic() - t0 < 3
+    lk.release()
+    r.close()

@@ -35,6 +35,9 @@ import numpy as np
 
 import cxlrt
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _chm import add_device_args, device_spec  # noqa: E402
+
 MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,8 +53,7 @@ def run_device(root: str, policy: str, a: argparse.Namespace, lists, progress=No
     """One device: for each --compute value, the median request GB/s with prefetch off
     and on, and the gain."""
     bb = a.block * MIB
-    spec = (f"chm:{os.path.join(root, policy)}?policy={policy}&dram={a.dram}M&page={a.page}K"
-            f"&lat={a.lat}&bw={a.bw}&wbw={a.wbw}")
+    spec = device_spec(os.path.join(root, policy), policy, a)
     r = cxlrt.open(spec, node=0, create=True, size=f"{2 * a.pool * a.block + 64}M", nodes=1)
     try:
         cache = cxlrt.KVCache(r, "random", block_bytes=bb, capacity_blocks=a.pool)
@@ -141,12 +143,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=40, help="requests per mode (40)")
     ap.add_argument("--compute", default="0,100,200,400",
                     help="busy microseconds per consumed block, a comma list (0,100,200,400)")
-    ap.add_argument("--block", type=int, default=1, help="KV block MiB (1)")
-    ap.add_argument("--dram", type=int, default=16, help="device DRAM MiB (16)")
-    ap.add_argument("--page", type=int, default=64, help="device page KiB (64)")
-    ap.add_argument("--lat", type=int, default=20000, help="SSD latency per request, ns (20000)")
-    ap.add_argument("--bw", type=float, default=4.0, help="SSD read GB/s (4)")
-    ap.add_argument("--wbw", type=float, default=2.0, help="SSD write GB/s (2)")
+    add_device_args(ap)
     ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
     ap.add_argument("--seed", type=int, default=11, help="seed of the bytes and picks (11)")
     ap.add_argument("--json", help="also write the result here")

@@ -35,12 +35,10 @@ import numpy as np
 
 import cxlrt
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _chm import add_device_args, device_spec  # noqa: E402
+
 MIB = 1 << 20
-
-
-def device_spec(path: str, policy: str, a: argparse.Namespace) -> str:
-    return (f"chm:{path}?policy={policy}&dram={a.dram}M&page={a.page}K&lat={a.lat}"
-            f"&bw={a.bw}&wbw={a.wbw}")
 
 
 class Device:
@@ -152,12 +150,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=8, help="turns (default 8)")
     ap.add_argument("--grow", type=int, default=12, help="KV blocks added per turn (12)")
-    ap.add_argument("--block", type=int, default=1, help="KV block MiB (1)")
-    ap.add_argument("--dram", type=int, default=16, help="device DRAM MiB (16)")
-    ap.add_argument("--page", type=int, default=64, help="device page KiB (64)")
-    ap.add_argument("--lat", type=int, default=20000, help="SSD latency per request, ns (20000)")
-    ap.add_argument("--bw", type=float, default=4.0, help="SSD read GB/s (4)")
-    ap.add_argument("--wbw", type=float, default=2.0, help="SSD write GB/s (2)")
+    add_device_args(ap)
     ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
     ap.add_argument("--reps", type=int, default=3, help="reads of each prefix per turn (3)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the KV bytes (7)")

@@ -240,6 +240,27 @@ def test_the_turns_script_reads_back_what_it_stored(tmp_path):
     assert bad.returncode == 2 and "--turns must be at least 1" in bad.stderr
 
 
+def test_the_random_reads_script_reads_back_what_it_stored(tmp_path):
+    # perf/chm_random.py checks every request's bytes against the pool it stored, with
+    # prefetch on and off, on both devices; a short run keeps that path working.
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "perf", "chm_random.py")
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, script, "--pool", "8", "--per", "3", "--requests",
+                          "2", "--dram", "1", "--compute", "0,50", "--png", "", "--json",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["policy"], r["compute_us"]) for r in rows) == [
+        ("lru", 0.0), ("lru", 50.0), ("staging", 0.0), ("staging", 50.0)]
+    assert all(r["on"] > 0 and r["off"] > 0 for r in rows)
+    for bad, msg in ((["--per", "9", "--pool", "8"], "--per cannot exceed --pool"),
+                     (["--compute", "x"], "a comma list"), (["--compute", "-1"], "negative")):
+        r = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("policy", ["lru", "staging"])
 def test_close_waits_out_threads_inside_the_device(region_dir, policy):
     # A lock waiter polls the device without the GIL; closing its region under it used

@@ -19,3 +19,15 @@ def add_device_args(ap: argparse.ArgumentParser) -> None:
 def device_spec(path: str, policy: str, a: argparse.Namespace) -> str:
     return (f"chm:{path}?policy={policy}&dram={a.dram}M&page={a.page}K&lat={a.lat}"
             f"&bw={a.bw}&wbw={a.wbw}")
+
+
+def save(result: dict, a: argparse.Namespace, plot) -> None:
+    """--json and --png, once the run is done."""
+    import json
+    import sys
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.png:
+        plot(result, a.png)
+        print(f"wrote {a.png}", file=sys.stderr)

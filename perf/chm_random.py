@@ -24,7 +24,6 @@ parameters: prefetch can hide at most the shorter of device time and consumption
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -37,7 +36,7 @@ import numpy as np
 import cxlrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _chm import add_device_args, device_spec  # noqa: E402
+from _chm import add_device_args, device_spec, save  # noqa: E402
 
 MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -173,13 +172,7 @@ def main(argv=None) -> int:
         print(f"{r['policy']:>8} {r['compute_us']:>10g} {r['off']:>9.2f} {r['on']:>8.2f} "
               f"{r['gain'] * 100:>+6.0f}%", flush=True)
 
-    result = run(a, show)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if a.png:
-        plot(result, a.png)
-        print(f"wrote {a.png}", file=sys.stderr)
+    save(run(a, show), a, plot)
     return 0
 
 

@@ -23,7 +23,6 @@ page widens it, a larger page narrows it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -36,7 +35,7 @@ import numpy as np
 import cxlrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _chm import add_device_args, device_spec  # noqa: E402
+from _chm import add_device_args, device_spec, save  # noqa: E402
 
 MIB = 1 << 20
 
@@ -173,13 +172,7 @@ def main(argv=None) -> int:
         print(f"{r['turn']:>4} {r['prefix_mib']:>10} {r['x_dram']:>7.2f} {r['lru_gbps']:>9.2f} "
               f"{r['staging_gbps']:>12.2f} {r['ratio']:>6.2f}", flush=True)
 
-    result = run(a, show)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if a.png:
-        plot(result, a.png)
-        print(f"wrote {a.png}", file=sys.stderr)
+    save(run(a, show), a, plot)
     return 0
 
 

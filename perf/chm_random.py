@@ -98,6 +98,7 @@ def run(a: argparse.Namespace, progress=None) -> dict:
     rng = np.random.default_rng(a.seed + 1)
     lists = [rng.choice(a.pool, a.per, replace=False) for _ in range(2 * a.requests)]
     root = tempfile.mkdtemp(prefix="cxlrt-chm-random-", dir="/dev/shm")
+    os.environ["CXLRT_LOCAL_DIR"] = root  # node-local files go with it, not into /dev/shm
     try:
         rows = [row for p in ("staging", "lru") for row in run_device(root, p, a, lists, progress)]
     finally:

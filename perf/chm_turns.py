@@ -79,6 +79,7 @@ def run(a: argparse.Namespace, progress=None) -> dict:
     keys = cxlrt.block_hashes(range(16 * nblocks), 16, salt=b"chm-turns")
     rng = np.random.default_rng(a.seed)
     root = tempfile.mkdtemp(prefix="cxlrt-chm-turns-", dir="/dev/shm")
+    os.environ["CXLRT_LOCAL_DIR"] = root  # node-local files go with it, not into /dev/shm
     devs = []
     try:
         devs = [Device(root, p, a, nblocks) for p in ("lru", "staging")]

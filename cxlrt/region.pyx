@@ -23,7 +23,8 @@ from cxlrt import superblock as _sb
 from cxlrt.caps import Caps
 from cxlrt.errors import NotARegionError, RegionError, RegionSizeError, UnsupportedError
 
-# close() waits this long for other threads' lock holds to end before it gives up.
+# close() waits this long for other threads' lock holds to end, then goes ahead (a hold
+# that outlasts it outlives the close: its release fails, see LockService.begin_close).
 CLOSE_WAIT_S = 10.0
 
 # Below this many bytes a copy costs less than releasing and retaking the GIL.

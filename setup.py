@@ -90,6 +90,11 @@ MODULES = [
     ("cxlrt.emulation.noncoherent", "emulation/noncoherent.pyx"),
     ("cxlrt.emulation.chm", "emulation/chm.pyx"),
 ]
+# rdma: links libibverbs, so it is built only where its headers are (libibverbs-dev);
+# elsewhere `rdma:` says how to get it (cxlrt/registry.py).
+VERBS_H = os.environ.get("CXLRT_VERBS_H", "/usr/include/infiniband/verbs.h")
+if os.path.exists(VERBS_H):
+    MODULES.append(("cxlrt.backends.rdma", "backends/rdma.pyx"))
 
 
 def _generate():
@@ -132,6 +137,9 @@ def _extensions():
     assert [e.name for e in exts] == [src[:-4].replace("/", ".") for _, src in chosen]
     for ext, (name, _) in zip(exts, chosen, strict=True):
         ext.name = name
+        if name == "cxlrt.backends.rdma":
+            ext.libraries = ["ibverbs"]
+            ext.include_dirs = [*ext.include_dirs, "backends"]
     return exts
 
 

@@ -142,6 +142,42 @@ def cmd_lockmgr(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from cxlrt.serve import Server, parse_region_arg
+    regions = dict(parse_region_arg(r) for r in args.regions)
+    server = Server(regions, args.listen, dev=args.dev, ib_port=args.ib_port, gid=args.gid)
+    stopped = threading.Event()
+
+    def stop(*_):
+        stopped.set()
+        server.stopping.set()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host = args.listen[0]
+    for name, s in server.regions.items():
+        print(f"cxlrt serve: rdma:{'[' + host + ']' if ':' in host else host}:{server.port}/"
+              f"{name} -> {s.spec} ({s.size} bytes, device GID {server.device.gid})",
+              file=sys.stderr, flush=True)
+    print(f"cxlrt serve: listening on {host}:{server.port}; Ctrl-C to stop", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop("the server was stopped" if stopped.is_set() else "the server failed")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         from cxlrt.serving import vllm_demo
@@ -280,6 +316,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "sleeping between passes (default 0.002; 0 never spins: a shared "
                         "core)")
     m.set_defaults(func=cmd_lockmgr)
+
+    v = sub.add_parser(
+        "serve", help="serve regions to other hosts over RDMA (clients open rdma:HOST:PORT/NAME)",
+        description="Register each region's memory for one-sided RDMA READ and WRITE and "
+                    "serve it until stopped (SIGINT/SIGTERM). Clients open "
+                    "rdma:HOST:PORT/NAME with the usual Region API; this process never "
+                    "copies their data. Format the regions first (`cxlrt format`), or let a "
+                    "client create them.")
+    v.add_argument("regions", nargs="+", metavar="[NAME=]SPEC",
+                   help="a mappable local region (file:, numa:, dax:); NAME defaults to the "
+                        "medium's file name")
+    v.add_argument("--listen", type=_listen, required=True, metavar="HOST:PORT",
+                   help="the control socket (port 0 picks a free one, printed at start)")
+    v.add_argument("--dev", default="", help="RDMA device (default: the first one)")
+    v.add_argument("--ib-port", type=int, default=1, help="RDMA port number (default 1)")
+    v.add_argument("--gid", type=int, default=-1,
+                   help="GID index (default: the first IPv4-mapped GID, else the first set)")
+    v.set_defaults(func=cmd_serve)
 
     from cxlrt.demo import DemoConfig
     dflt, quick = DemoConfig(), DemoConfig.quick()

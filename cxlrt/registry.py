@@ -40,13 +40,16 @@ _known: dict[str, Entry] = {
     "chm": Entry("cxlrt.emulation.chm", "ChmBackend",
                  "part of cxlrt; reinstall with `pip install -e .`",
                  "CXL hybrid-memory device model: device DRAM (lru or staging) over an SSD file"),
+    "rdma": Entry("cxlrt.backends.rdma", "RdmaBackend",
+                  "built where libibverbs' headers are (apt-get install libibverbs-dev, then "
+                  "reinstall cxlrt); needs an RDMA device at run time",
+                  "a region another host serves over RDMA (`cxlrt serve`), read and written "
+                  "one-sided"),
 }
 known = MappingProxyType(_known)
 """Read-only view of every registered scheme."""
 
-PLANNED = {
-    "rdma": "remote CXL hybrid-memory node over RDMA",
-}
+PLANNED: dict[str, str] = {}
 DEFAULT_SCHEME = "file"
 
 

@@ -5,6 +5,8 @@ Every algorithm test takes `backend` and runs unchanged on each of:
   numa          the same, bound to a NUMA node of this host (node 0 here; placement verified)
   dax-file      the dax: backend on a plain file: direct access with real clflush flushes
   devdax        the dax: backend on $CXLRT_TEST_DAX (a real /dev/daxX.Y, e.g. in the QEMU lab)
+  rdma          a region `cxlrt serve` serves at $CXLRT_TEST_RDMA (rdma:HOST:PORT/NAME, e.g.
+                over SoftRoCE in the QEMU lab: emulation/lab/rdma-serve.sh)
   emu           the non-coherent emulation, faults off
   emu-faulty    the emulation with seeded evictions, delayed flushes and the checker
   chm-lru       the CXL hybrid-memory device model, DRAM as a transparent page cache
@@ -32,6 +34,7 @@ from cxlrt.errors import DebugBuildRequired
 DEFAULT_SEED = 1
 NUMA_NODE = int(os.environ.get("CXLRT_TEST_NUMA_NODE", "0"))
 DAX_DEVICE = os.environ.get("CXLRT_TEST_DAX", "")  # e.g. /dev/dax0.0 in the QEMU CXL lab
+RDMA_REGION = os.environ.get("CXLRT_TEST_RDMA", "")  # e.g. rdma:127.0.0.1:7470/r0 in the lab
 FAULTY = "evict=0.05&delay=1&check=1"
 CHM_SMALL = "dram=256K&page=4K"
 
@@ -62,13 +65,15 @@ class BackendCase:
 
     @property
     def coherent(self) -> bool:
-        return self.scheme in ("file", "numa", "chm")
+        return self.scheme in ("file", "numa", "chm", "rdma")
 
     def spec(self, extra: str = "") -> str:
         q = "&".join(p for p in (self.params, extra) if p)
         where = f"{NUMA_NODE}/{self.path}" if self.scheme == "numa" else self.path
         if self.name == "devdax":
             where = DAX_DEVICE
+        if self.name == "rdma":
+            return RDMA_REGION + (f"?{q}" if q else "")
         return f"{self.scheme}:{where}" + (f"?{q}" if q else "")
 
     @property
@@ -76,9 +81,9 @@ class BackendCase:
         return os.path.join(self.root, "region")
 
     def create(self, *, size="4M", nodes=4, node=0, lease=None, **kw) -> cxlrt.Region:
-        if self.name == "devdax":  # a device region is the whole device, formatted afresh
-            from cxlrt.backends.dax import medium_size
-            size = medium_size(DAX_DEVICE)
+        if self.name in ("devdax", "rdma"):  # a device region: the whole device, afresh
+            from cxlrt import registry
+            size = registry.hook(self.scheme, "medium_size")(self.spec().partition(":")[2])
             cxlrt.format(self.spec(), size=size, nodes=nodes, force=True, lease=lease)
             return cxlrt.open(self.spec(), node=node, **kw)
         return cxlrt.open(self.spec(), node=node, create=True, size=size, nodes=nodes,
@@ -113,6 +118,8 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
         out.append(("dax-file", "dax", "", None))
         if DAX_DEVICE:
             out.append(("devdax", "dax", "", None))
+    if RDMA_REGION and "rdma" in avail:
+        out.append(("rdma", "rdma", "", None))
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
     out.append(("chm-lru", "chm", f"policy=lru&{CHM_SMALL}", None))

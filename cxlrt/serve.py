@@ -1,0 +1,218 @@
+"""``cxlrt serve``: expose local regions to other hosts over RDMA.
+
+Each served region's whole mapping is registered once as an RDMA memory region
+(remote READ and WRITE). A client attaches over TCP (backends/_rdmawire.py); the
+server answers with the region's address and key and gives the attachment its own
+queue pair, connected to the client's. From then on the client reads and writes the
+region one-sided: this process never copies a byte of it. It only watches the control
+connections, and drops an attachment's queue pair the moment its client goes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cxlrt.backends import _rdmawire as wire
+
+
+@dataclass
+class Served:
+    name: str
+    spec: str
+    size: int
+    addr: int
+    backend: object
+    mr: object
+
+
+@dataclass
+class Attachment:
+    region: str
+    node: int
+    host: str
+    peer: str
+    qp: object
+    since: float = field(default_factory=time.monotonic)
+
+
+def parse_region_arg(text: str) -> tuple[str, str]:
+    """``NAME=SPEC`` or ``SPEC`` (named after the medium's file name)."""
+    name, sep, spec = text.partition("=")
+    if sep and ":" not in name and "/" not in name and name:
+        return name, spec
+    path = text.partition(":")[2].partition("?")[0]
+    return os.path.basename(path.rstrip("/")) or "region", text
+
+
+class Server:
+    """Serve `regions` ({name: spec}) on `listen` (host, port).
+
+    Parameters
+    ----------
+    regions : dict
+        Name -> region spec. Each must be mappable (``file:``, ``numa:``, ``dax:``)
+        and already formatted or created by a client (``cxlrt format``).
+    listen : tuple
+        (host, port) of the control socket; port 0 picks one (see :attr:`port`).
+    dev, ib_port, gid :
+        The RDMA device, its port and GID index (as ``rdma:``'s spec parameters).
+    """
+
+    def __init__(self, regions: dict[str, str], listen: tuple[str, int], *, dev: str = "",
+                 ib_port: int = 1, gid: int = -1, log=None) -> None:
+        from cxlrt import api
+        from cxlrt.backends import rdma
+        self.log = log or (lambda msg: print(f"cxlrt serve: {msg}", file=sys.stderr,
+                                             flush=True))
+        self.device = rdma.Device(dev, ib_port, gid)
+        self.regions: dict[str, Served] = {}
+        self.attached: dict[int, Attachment] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.conns: set[socket.socket] = set()
+        self.epoch = int.from_bytes(os.urandom(8), "little")
+        try:
+            for name, spec in regions.items():
+                if name in self.regions:
+                    raise ValueError(f"two regions are named {name!r}: name them NAME=SPEC")
+                s, cls, params, fs = api._resolve(spec)
+                if s.scheme == "rdma":
+                    raise ValueError(f"{spec}: serve a local region, not an rdma: one")
+                size = api._medium_size(fs, str(s), scheme=s.scheme)
+                backend = cls(s.path, params, 0, size)
+                try:
+                    addr = rdma.mapped_address(backend)
+                    mr = rdma.MemoryRegion(self.device, addr, size)
+                except BaseException:
+                    backend.close()
+                    raise
+                self.regions[name] = Served(name, str(s), size, addr, backend, mr)
+            host, port = listen
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.sock = socket.create_server((host, port), family=family, backlog=64)
+        except BaseException:
+            self._release()
+            raise
+        self.port = self.sock.getsockname()[1]
+
+    def serve_forever(self) -> None:
+        """Accept clients until :meth:`stop`."""
+        self.sock.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                conn, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    break
+                raise
+            conn.settimeout(None)
+            with self.lock:
+                self.conns.add(conn)
+            threading.Thread(target=self._client, args=(conn, f"{peer[0]}:{peer[1]}"),
+                             name="cxlrt-serve-client", daemon=True).start()
+
+    def _client(self, conn: socket.socket, peer: str) -> None:
+        f = conn.makefile("rb")
+        att = None
+        try:
+            while True:
+                try:
+                    msg = wire.recv(f, peer)
+                except wire.RdmaServerError:
+                    return
+                reply = self._answer(msg, peer, att)
+                if isinstance(reply, Attachment):
+                    att = reply
+                    reply = self._attach_reply(att, msg)
+                wire.send(conn, reply)
+        except OSError:
+            return
+        finally:
+            if att is not None:
+                with self.lock:
+                    self.attached.pop(id(att), None)
+                att.qp.close()  # the client's later requests fail at once, never land
+                self.log(f"{peer}: node {att.node} detached from {att.region}")
+            with self.lock:
+                self.conns.discard(conn)
+            f.close()
+            conn.close()
+
+    def _answer(self, msg: dict, peer: str, att):
+        from cxlrt.backends import rdma
+        op, name = msg.get("op"), msg.get("name")
+        if msg.get("version") != wire.VERSION:
+            return {"ok": False, "error": f"protocol version {msg.get('version')!r}; this "
+                    f"server speaks {wire.VERSION}"}
+        served = self.regions.get(name)
+        if served is None:
+            return {"ok": False, "kind": "not_found",
+                    "error": f"no region named {name!r} here (serving: "
+                             f"{', '.join(sorted(self.regions)) or 'none'})"}
+        if op == "info":
+            with self.lock:
+                nodes = sorted({(a.node, a.host) for a in self.attached.values()
+                                if a.region == name})
+            return {"ok": True, "size": served.size, "epoch": self.epoch,
+                    "attached": [{"node": n, "host": h} for n, h in nodes]}
+        if op != "attach":
+            return {"ok": False, "error": f"unknown operation {op!r}"}
+        if att is not None:
+            return {"ok": False, "error": "this connection is already attached"}
+        node, qpn, psn, gid = (msg.get(k) for k in ("node", "qpn", "psn", "gid"))
+        if not all(isinstance(v, int) and v >= 0 for v in (node, qpn, psn)) or \
+                not isinstance(gid, str):
+            return {"ok": False, "error": "attach needs node, qpn, psn (ints) and gid"}
+        qp = rdma.QueuePair(self.device)
+        try:
+            qp.connect(qpn, psn, gid)
+        except (OSError, ValueError) as e:
+            qp.close()
+            return {"ok": False, "error": f"connecting to the client's queue pair: {e}"}
+        att = Attachment(name, node, str(msg.get("host", "?")), peer, qp)
+        with self.lock:
+            self.attached[id(att)] = att
+        self.log(f"{peer}: node {node} attached to {name}")
+        return att
+
+    def _attach_reply(self, att: Attachment, msg: dict) -> dict:
+        served = self.regions[att.region]
+        return {"ok": True, "size": served.size, "addr": served.addr, "rkey": served.mr.rkey,
+                "qpn": att.qp.qpn, "psn": att.qp.psn, "gid": self.device.gid,
+                "epoch": self.epoch}
+
+    def stop(self, why: str = "stopped") -> None:
+        """Stop accepting, tell every client, drop every queue pair, release the regions."""
+        self.stopping.set()
+        with self.lock:
+            conns = list(self.conns)
+        for c in conns:
+            try:
+                wire.send(c, {"op": "bye", "why": why})
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.attached:
+                    break
+            time.sleep(0.01)
+        try:
+            self.sock.close()
+        except AttributeError:
+            pass
+        self._release()
+
+    def _release(self) -> None:
+        for s in self.regions.values():
+            s.mr.close()
+            s.backend.close()
+        self.regions.clear()

@@ -11,6 +11,7 @@ No KV byte ever crosses it.
 from __future__ import annotations
 
 import json
+import queue
 import socket
 
 VERSION = 1
@@ -95,44 +96,83 @@ def info(path: str, timeout: float = CONNECT_TIMEOUT_S) -> dict:
 class Control:
     """An attachment's open control connection: its end is the peer's end."""
 
-    def __init__(self, sock: socket.socket, reader) -> None:
+    def __init__(self, sock: socket.socket, path: str) -> None:
         self.sock = sock
-        self.reader = reader
+        self.path = path
+        self.replies: queue.Queue = queue.Queue()
 
     def wait_closed(self) -> str:
-        """Block until the peer's end goes; why it went."""
+        """Read the connection until the peer's end goes (one thread does, for good);
+        why it went. Replies to :meth:`ask` are handed over on the way. Plain recv, no
+        buffered reader: close() from another thread (or a dealloc at interpreter
+        exit, with this thread frozen inside) must never wait for a reader's lock."""
+        buf = b""
         try:
             while True:
-                line = self.reader.readline(MAX_LINE)
-                if not line:
+                data = self.sock.recv(4096)
+                if not data:
                     return "end of stream"
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(msg, dict) and msg.get("op") == "bye":
-                    return f"the server shut down: {msg.get('why', '')}".rstrip(": ")
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(msg, dict):
+                        continue
+                    if msg.get("op") == "bye":
+                        return f"the server shut down: {msg.get('why', '')}".rstrip(": ")
+                    self.replies.put(msg)
+                if len(buf) > MAX_LINE:
+                    return "a protocol line too long"
         except (OSError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
+        finally:
+            self.replies.put(None)
 
-    def close(self) -> None:
+    def ask(self, msg: dict, timeout: float) -> dict:
+        """Send `msg` and wait for the server's reply (wait_closed must be running)."""
+        send(self.sock, {"version": VERSION, "name": split(self.path)[2], **msg})
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.reader.close()
-        self.sock.close()
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"rdma:{self.path}: the server did not answer "
+                               f"{msg['op']!r} in {timeout} s") from None
+        if reply is None:
+            raise RdmaServerError(f"rdma:{self.path}: the connection closed during "
+                                  f"{msg['op']!r}")
+        if not reply.get("ok"):
+            raise RdmaServerError(f"rdma:{self.path}: the server refused: "
+                                  f"{reply.get('error', 'no reason given')}")
+        return reply
+
+    def close(self, hang_up: bool = True) -> None:
+        """Close our end; `hang_up` also ends the connection for the peer (not from a
+        forked child, whose descriptor is its parent's connection too)."""
+        # Also from a dealloc at interpreter exit, when the GC may have cleared us first.
+        sock = getattr(self, "sock", None)
+        if sock is None:
+            return
+        if hang_up:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv
+            except OSError:
+                pass
+        sock.close()
 
 
-def attach(path: str, *, node: int, qpn: int, psn: int, gid: str,
-           timeout: float) -> tuple[Control, dict]:
+def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float,
+           host: str | None = None) -> tuple[Control, dict]:
     """Attach a queue pair; the open connection (keep it) and the server's reply."""
-    from cxlrt.liveness import host_id
+    if host is None:
+        from cxlrt.liveness import host_id
+        host = f"{host_id():016x}"
     sock, name = _connect(path, timeout)
     f = sock.makefile("rb")
     try:
         reply = _ask(sock, f, path, {"op": "attach", "name": name, "version": VERSION,
-                                     "node": node, "host": f"{host_id():016x}",
+                                     "node": node, "host": host,
                                      "qpn": qpn, "psn": psn, "gid": gid})
     except BaseException:
         f.close()
@@ -143,5 +183,6 @@ def attach(path: str, *, node: int, qpn: int, psn: int, gid: str,
             f.close()
             sock.close()
             raise RdmaServerError(f"rdma:{path}: the server's reply has no {key!r}")
+    f.close()  # the server says nothing more until asked: no bytes are left in it
     sock.settimeout(None)
-    return Control(sock, f), reply
+    return Control(sock, path), reply

@@ -39,6 +39,8 @@ cdef extern from "<stdlib.h>" nogil:
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
         pass
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
     int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
     int pthread_mutex_lock(pthread_mutex_t* m)
     int pthread_mutex_unlock(pthread_mutex_t* m)
@@ -85,19 +87,30 @@ cdef int _errno() noexcept:
 
 
 cdef enum:
+    CXV_FORKED = 100      # a failure kind of ours: used in a forked child
     SMALL = 64 << 10      # staging for metadata accesses
     BOUNCE = 4 << 20      # staging for dma_read/dma_write, in `chunk` requests
     DEPTH = 16            # requests in flight per queue pair
+    REG_MAX = 32          # buffers registered at once (RdmaBackend.register)
 
 
 # What a failure looks like from here: cxv_xfer's kind, then the completion status.
-_KINDS = {CXV_POST: "posting a request failed", CXV_WC: "a completion error",
+_KINDS = {CXV_FORKED: "used in a forked child: an RDMA attachment belongs to the process "
+                      "that opened it (open the region again in the child)",
+          CXV_POST: "posting a request failed", CXV_WC: "a completion error",
           CXV_TIMEOUT: "no completion before the deadline", CXV_POLL: "polling failed"}
 # ibv_wc_status values worth naming (infiniband/verbs.h).
 _WC = {5: "flushed (the queue pair is in error)", 9: "remote invalid request",
        10: "remote access error (a key that is no longer valid, or out of range)",
        11: "remote operation error", 12: "transport retries exceeded (the server is gone?)",
        13: "receiver-not-ready retries exceeded"}
+
+
+ctypedef struct rdma_reg:
+    uint64_t start
+    uint64_t end
+    ibv_mr* mr
+    uint64_t used           # c.tick at its last use: the least recent goes first
 
 
 ctypedef struct rdma_ctx:
@@ -111,6 +124,7 @@ ctypedef struct rdma_ctx:
     uint64_t raddr          # the served mapping's address in the server
     uint32_t rkey
     uint32_t broken         # set once; read without the lock
+    uint32_t gen            # _fork_gen when attached
     uint32_t gone           # close() freed the queue pair and buffers
     int fail_kind
     int fail_status
@@ -118,21 +132,82 @@ ctypedef struct rdma_ctx:
     uint64_t chunk
     uint64_t ops
     uint64_t bytes
+    uint64_t direct         # bytes moved straight from or into registered buffers
+    rdma_reg regs[REG_MAX]  # RdmaBackend.register's buffers, under `lock`
+    uint32_t nregs
+    uint64_t tick
+
+
+# Verbs resources belong to the process that made them: a forked child inherits the
+# queue pair's memory but not its use (the kernel refuses its commands). Every fork
+# bumps the generation; an attachment made in an older one fails at once, saying so.
+cdef uint32_t _fork_gen = 0
+
+
+cdef void _after_fork_in_child() noexcept nogil:
+    global _fork_gen
+    _fork_gen += 1
+
+
+pthread_atfork(NULL, NULL, _after_fork_in_child)
+
+
+cdef int _registered(rdma_ctx* c, char* buf, uint64_t n) noexcept nogil:
+    """The registration that holds all of [buf, buf+n), or -1. Lock held."""
+    cdef uint64_t a = <uint64_t><size_t>buf
+    cdef int i
+    for i in range(REG_MAX):
+        if c.regs[i].mr != NULL and a >= c.regs[i].start and n <= c.regs[i].end - a:
+            c.tick += 1
+            c.regs[i].used = c.tick
+            return i
+    return -1
+
+
+cdef int _slot(rdma_ctx* c, uint64_t a) noexcept nogil:
+    """The registration that starts at `a`, or -1."""
+    cdef int i
+    for i in range(REG_MAX):
+        if c.regs[i].mr != NULL and c.regs[i].start == a:
+            return i
+    return -1
+
+
+cdef int _fail(rdma_ctx* c, int kind, int st) noexcept nogil:
+    c.fail_kind = kind
+    c.fail_status = st
+    cxl_atomic_store_release32(&c.broken, 1)
+    return CXLRT_E_IO
 
 
 cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
                bint big) noexcept nogil:
-    """Move n bytes through a registered staging buffer, one buffer's worth at a time."""
+    """Move n bytes: straight from or into `buf` when it lies in a registered buffer
+    (RdmaBackend.register), every request of the transfer in flight; else through a
+    registered staging buffer, one buffer's worth at a time."""
     cdef char* stage = c.bounce if big else c.small
     cdef uint32_t lkey
     cdef uint64_t cap = BOUNCE if big else SMALL, k
-    cdef int rc = 0, r, st = 0
+    cdef int rc = 0, r, st = 0, i = -1
     pthread_mutex_lock(&c.lock)
     if c.gone:
         rc = CXLRT_E_CLOSED
+    elif c.gen != _fork_gen:
+        rc = CXLRT_E_IO if c.broken else _fail(c, CXV_FORKED, 0)
     elif c.broken:
         rc = CXLRT_E_IO
-    else:
+    elif big and c.nregs:
+        i = _registered(c, buf, n)
+    if rc == 0 and i >= 0:
+        r = cxv_xfer(&c.qp, write, buf, c.regs[i].mr.lkey, c.raddr + off, c.rkey, n,
+                     c.chunk, cxv_now_ns() + c.timeout_ns, &st)
+        if r != CXV_OK:
+            rc = _fail(c, r, st)
+        else:
+            c.ops += 1
+            c.bytes += n
+            c.direct += n
+    elif rc == 0:
         lkey = c.bounce_mr.lkey if big else c.small_mr.lkey
         while n:
             k = n if n < cap else cap
@@ -141,10 +216,7 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             r = cxv_xfer(&c.qp, write, stage, lkey, c.raddr + off, c.rkey, k, c.chunk,
                          cxv_now_ns() + c.timeout_ns, &st)
             if r != CXV_OK:
-                c.fail_kind = r
-                c.fail_status = st
-                cxl_atomic_store_release32(&c.broken, 1)
-                rc = CXLRT_E_IO
+                rc = _fail(c, r, st)
                 break
             if not write:
                 memcpy(buf, stage, k)
@@ -234,8 +306,10 @@ cdef class Device:
     """
 
     cdef cxv_dev d
+    cdef uint32_t gen
 
     def __init__(self, str name="", int port=1, int gid=-1):
+        self.gen = _fork_gen
         cdef char err[256]
         cdef bytes bname = name.encode()
         err[0] = 0
@@ -247,9 +321,11 @@ cdef class Device:
         return bytes(self.d.gid.raw[:16]).hex()
 
     def __dealloc__(self):
-        cxv_close(&self.d)
+        if self.gen == _fork_gen:  # a forked child's copy is its parent's: leave it
+            cxv_close(&self.d)
 
 
+@cython.no_gc_clear  # its device must outlive it: a cleared device closes under the MR
 cdef class MemoryRegion:
     """Memory registered for remote READ and WRITE (the server's region)."""
 
@@ -271,14 +347,15 @@ cdef class MemoryRegion:
         return self.mr.rkey if self.mr != NULL else 0
 
     def close(self):
-        if self.mr != NULL:
+        if self.mr != NULL and self.device.gen == _fork_gen:
             ibv_dereg_mr(self.mr)
-            self.mr = NULL
+        self.mr = NULL
 
     def __dealloc__(self):
         self.close()
 
 
+@cython.no_gc_clear  # its device must outlive it: destroying a QP of a closed device crashes
 cdef class QueuePair:
     """One reliable-connected queue pair (the server keeps one per attachment)."""
 
@@ -311,10 +388,11 @@ cdef class QueuePair:
             raise OSError(-rc, f"connecting the queue pair: {os.strerror(-rc)}")
 
     def close(self):
-        cxv_qp_destroy(&self.q)
+        if self.device is not None and self.device.gen == _fork_gen:
+            cxv_qp_destroy(&self.q)
 
     def __dealloc__(self):
-        cxv_qp_destroy(&self.q)
+        self.close()
 
 
 @cython.no_gc_clear  # a thread may still be inside an access: keep the device open
@@ -339,6 +417,7 @@ cdef class RdmaBackend(Backend):
     cdef object conn       # the control connection: its end is the server's end
     cdef object watcher
     cdef str why
+    cdef dict pinned       # start address -> the registered object (kept alive)
     cdef readonly dict server
 
     def __cinit__(self):
@@ -350,6 +429,7 @@ cdef class RdmaBackend(Backend):
         cdef void* p = NULL
         self.scheme = "rdma"
         self.path = path
+        self.pinned = {}
         self.params = dict(params)
         self.c.timeout_ns = <uint64_t>(params["timeout"] * 1e9)
         self.c.chunk = params["chunk"]
@@ -382,6 +462,7 @@ cdef class RdmaBackend(Backend):
         self.c.rkey = self.server["rkey"]
         self.c.qp = self.qp.q
         self.c.dev = self.device.d
+        self.c.gen = _fork_gen
         self.c.gone = 0
         self.reg.base = NULL
         self.reg.size = size
@@ -404,6 +485,19 @@ cdef class RdmaBackend(Backend):
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
         """Nothing per node: every node reaches the server's memory."""
 
+    def claim(self, int nodes):
+        """Tell the server this attachment is node `node` of `nodes` (Region calls it when
+        it announces the node; observers and tools do not). The server refuses a node
+        that another host holds: each node is one host, whose processes share node-local
+        state no other host can see."""
+        from cxlrt.liveness import host_id
+        from cxlrt.errors import NodeClaimError
+        try:
+            self.conn.ask({"op": "claim", "node": self.reg.node, "nodes": nodes,
+                           "host": f"{host_id():016x}"}, self.params["timeout"])
+        except _wire.RdmaServerError as e:
+            raise NodeClaimError(str(e)) from None
+
     def failure(self):
         """Why the attachment broke, or None while it works."""
         if not self.c.broken:
@@ -417,12 +511,78 @@ cdef class RdmaBackend(Backend):
             what += f" ({self.params['timeout']} s)"
         return what
 
+    def _set_rkey(self, unsigned int rkey):
+        """Test hook: address the server's memory with another key from now on."""
+        self.c.rkey = rkey
+
+    def register(self, obj):
+        """Register a writable buffer (numpy array, bytearray, CPU tensor's numpy view)
+        for RDMA: dma_read and dma_write into or out of it then go straight between it
+        and the server's memory, with no staging copy.
+
+        The backend keeps a reference to `obj` while it is registered, so its memory
+        cannot be freed and reused under the registration (a registration caches
+        physical pages: a freed and reused buffer would be written behind its new
+        owner's back). At most REG_MAX (32) buffers are registered at once; the least
+        recently used one goes (falls back to staging) to make room. Returns the bytes
+        registered."""
+        cdef unsigned char[::1] v = memoryview(obj).cast("B")
+        cdef uint64_t a, n = v.shape[0]
+        cdef int i, j = -1
+        cdef ibv_mr* mr
+        self.region()
+        if n == 0:
+            raise ValueError("register: an empty buffer")
+        a = <uint64_t><size_t>&v[0]
+        self.unregister(obj)
+        mr = cxv_reg(&self.device.d, <void*><size_t>a, n, 0)
+        if mr == NULL:
+            raise OSError(_errno(), f"rdma: registering {n} bytes at {a:#x}")
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            for i in range(REG_MAX):
+                if self.c.regs[i].mr == NULL:
+                    j = i
+                    break
+            if j < 0:
+                j = 0
+                for i in range(REG_MAX):
+                    if self.c.regs[i].used < self.c.regs[j].used:
+                        j = i
+                ibv_dereg_mr(self.c.regs[j].mr)
+                self.c.nregs -= 1
+            self.c.tick += 1
+            self.c.regs[j] = rdma_reg(start=a, end=a + n, mr=mr, used=self.c.tick)
+            self.c.nregs += 1
+            pthread_mutex_unlock(&self.c.lock)
+        self.pinned = {k: o for k, o in self.pinned.items() if _slot(&self.c, k) >= 0}
+        self.pinned[a] = obj
+        return n
+
+    def unregister(self, obj):
+        """Undo register(obj) (nothing if it is not registered)."""
+        cdef unsigned char[::1] v = memoryview(obj).cast("B")
+        cdef uint64_t a = <uint64_t><size_t>&v[0] if v.shape[0] else 0
+        cdef int i
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            i = _slot(&self.c, a)
+            if i >= 0:
+                ibv_dereg_mr(self.c.regs[i].mr)
+                self.c.regs[i].mr = NULL
+                self.c.nregs -= 1
+            pthread_mutex_unlock(&self.c.lock)
+        self.pinned.pop(a, None)
+
     def stats(self):
-        return {"requests": self.c.ops, "bytes": self.c.bytes, "broken": bool(self.c.broken)}
+        return {"requests": self.c.ops, "bytes": self.c.bytes, "direct_bytes": self.c.direct,
+                "registered": self.c.nregs, "broken": bool(self.c.broken)}
 
     cpdef close(self):
         # Closed first; then the queue pair's lock waits out an access in flight (each
-        # ends by its deadline), and only then go the queue pair and the buffers.
+        # ends by its deadline), and only then go the queue pair and the buffers. In a
+        # forked child nothing of the parent's is touched: the queue pair and keys are
+        # the parent's, and so is the control connection (a shutdown would end it).
         self.reg.closed = 1
         if self.c.gone:
             return
@@ -430,20 +590,37 @@ cdef class RdmaBackend(Backend):
             pthread_mutex_lock(&self.c.lock)
             self.c.gone = 1
             pthread_mutex_unlock(&self.c.lock)
+        forked = self.c.gen != _fork_gen
         if self.conn is not None:
-            self.conn.close()
+            self.conn.close(hang_up=not forked)
+        if forked:
+            return
         self.qp.close()
+        self._drop_regs()
+        self.pinned = {}
         if self.c.small_mr != NULL:
             ibv_dereg_mr(self.c.small_mr)
         if self.c.bounce_mr != NULL:
             ibv_dereg_mr(self.c.bounce_mr)
         self.c.small_mr = self.c.bounce_mr = NULL
 
+    cdef _drop_regs(self):
+        cdef int i
+        for i in range(REG_MAX):
+            if self.c.regs[i].mr != NULL:
+                ibv_dereg_mr(self.c.regs[i].mr)
+                self.c.regs[i].mr = NULL
+        self.c.nregs = 0
+
     def __dealloc__(self):
+        cdef bint forked = self.c.gen != _fork_gen and not self.c.gone
         self.reg.closed = 1
         self.c.gone = 1
         if self.conn is not None:
-            self.conn.close()  # the server drops our queue pair at once  # the QueuePair's own dealloc destroys it
+            self.conn.close(hang_up=not forked)  # the server drops our queue pair at once
+        if forked:
+            return  # the parent's: nothing to give back here
+        self._drop_regs()  # the QueuePair's own dealloc destroys it
         if self.c.small_mr != NULL:
             ibv_dereg_mr(self.c.small_mr)
         if self.c.bounce_mr != NULL:

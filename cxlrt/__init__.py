@@ -17,6 +17,8 @@ from cxlrt.errors import (
     LayoutVersionError,
     LeaseLost,
     LockTimeout,
+    MediumError,
+    NodeClaimError,
     NodeRangeError,
     NoLockManager,
     NotARegionError,
@@ -44,7 +46,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost",
     "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "KVManager",
-    "LayoutVersionError", "LeaseLost", "LockTimeout", "NoLockManager", "NodeRangeError",
+    "LayoutVersionError", "LeaseLost", "LockTimeout", "MediumError", "NoLockManager",
+    "NodeClaimError", "NodeRangeError",
     "NotARegionError", "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError",
     "RegionError", "RegionSizeError", "SchemeMismatchError", "StagingError", "StagingHandleError",
     "StagingStalled", "StagingTimeout", "StagingWindow", "UnsupportedError", "block_hashes",

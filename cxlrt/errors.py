@@ -35,6 +35,15 @@ class NodeRangeError(RegionError, ValueError):
     """A node id outside ``0 .. nodes-1`` of the region."""
 
 
+class MediumError(RegionError, OSError):
+    """The medium failed: an RDMA completion error or timeout, a device I/O error.
+    ``rdma:``'s ``r.backend.failure()`` says which."""
+
+
+class NodeClaimError(RegionError):
+    """A node id that another host holds (``rdma:``'s server refused the claim)."""
+
+
 class OutOfRangeError(RegionError, IndexError):
     """An offset or length outside the region, or a misaligned 8-byte access."""
 

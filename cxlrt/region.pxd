@@ -20,6 +20,7 @@ cdef class Region:
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
     cdef _close(self, bint held_ok)
+    cdef bint _cut_off(self)
 
     cdef int _rc(self, int rc, str op, uint64_t off, uint64_t n, str detail=*) except -1
     cdef tuple _what(self, int rc, str op, uint64_t off, uint64_t n)

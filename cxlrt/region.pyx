@@ -16,12 +16,13 @@ from libc.stdint cimport uint64_t
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, Backend, cxl_check_range,
                             cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain,
                             cxl_load, cxl_load64, cxl_persist, cxl_store, cxl_store64)
-from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_RANGE, CXLRT_E_UNSUPPORTED,
-                           check_rc)
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_IO, CXLRT_E_RANGE,
+                           CXLRT_E_UNSUPPORTED, check_rc)
 
 from cxlrt import superblock as _sb
 from cxlrt.caps import Caps
-from cxlrt.errors import NotARegionError, RegionError, RegionSizeError, UnsupportedError
+from cxlrt.errors import (MediumError, NotARegionError, RegionError, RegionSizeError,
+                          UnsupportedError)
 
 # close() waits this long for other threads' lock holds to end, then goes ahead (a hold
 # that outlasts it outlives the close: its release fails, see LockService.begin_close).
@@ -106,6 +107,9 @@ cdef class Region:
         self.sections = dict(info["sections"])
         if announce:
             from cxlrt.liveness import Liveness
+            claim = getattr(self.backend, "claim", None)
+            if claim is not None:  # a medium that can vouch for who is which node (rdma:)
+                claim(self.nodes)
             self._live = Liveness(self, patience)
 
     @property
@@ -138,7 +142,11 @@ cdef class Region:
         # a later life of this process or node to recover. Their hits and locks then
         # find the region closed.
         for obj in list(self._closing):
-            obj.close()
+            try:
+                obj.close()
+            except MediumError:
+                if not self._cut_off():
+                    raise
         self._closing.clear()
         if self._locks is not None:
             self._locks.stop_manager()
@@ -150,12 +158,23 @@ cdef class Region:
             svc = self._locks
             if svc is None and live.local.busy_slots():
                 svc = self.locks_for(live)
-            live.close(sweep=svc.sweep if svc is not None else None)
+            try:
+                live.close(sweep=svc.sweep if svc is not None else None)
+            except MediumError:
+                if not self._cut_off():
+                    raise
         if self._locks is not None:
             self._locks.close()
             self._locks = None
         self._heap = None
         self.backend.close()
+
+    cdef bint _cut_off(self):
+        """The backend lost the medium for good (rdma:'s attachment broke): close()
+        then frees what is ours without the detach writes, which cannot land; the
+        node is left to others as a stalled one is (its lease runs out)."""
+        fn = getattr(self.backend, "failure", None)
+        return fn is not None and fn() is not None
 
     # --- locks, allocator, directory ------------------------------------------------
 
@@ -329,6 +348,9 @@ cdef class Region:
                     f"replay with seed={self.backend.params.get('seed')}",
                     dict(kind=v.get("kind", ""), offset=v.get("offset", -1), node=self.r.node,
                          other=other))
+        if rc == CXLRT_E_IO:
+            why = getattr(self.backend, "failure", lambda: None)()
+            return (f"{self.spec}: the medium failed" + (f": {why}" if why else "")), None
         if rc == CXLRT_E_UNSUPPORTED:
             return (f"not supported by {self.backend.scheme}: "
                     "(backend not bound to a node yet?)"), None

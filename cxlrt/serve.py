@@ -37,7 +37,17 @@ class Attachment:
     host: str
     peer: str
     qp: object
+    claimed: bool = False  # the client announced itself as `node` (not a tool or observer)
     since: float = field(default_factory=time.monotonic)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """A client host that vanished without closing (power loss, cable) lets go of its
+    node after about 10 s, not TCP's two hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, v in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 5)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
 
 
 def parse_region_arg(text: str) -> tuple[str, str]:
@@ -113,6 +123,7 @@ class Server:
                     break
                 raise
             conn.settimeout(None)
+            _keepalive(conn)
             with self.lock:
                 self.conns.add(conn)
             threading.Thread(target=self._client, args=(conn, f"{peer[0]}:{peer[1]}"),
@@ -162,6 +173,8 @@ class Server:
                                 if a.region == name})
             return {"ok": True, "size": served.size, "epoch": self.epoch,
                     "attached": [{"node": n, "host": h} for n, h in nodes]}
+        if op == "claim":
+            return self._claim(msg, att)
         if op != "attach":
             return {"ok": False, "error": f"unknown operation {op!r}"}
         if att is not None:
@@ -181,6 +194,24 @@ class Server:
             self.attached[id(att)] = att
         self.log(f"{peer}: node {node} attached to {name}")
         return att
+
+    def _claim(self, msg: dict, att) -> dict:
+        """Node `node` is one host: refuse it while a live attachment of another host
+        claims it (their processes would not share the node's local lock state)."""
+        if att is None:
+            return {"ok": False, "error": "claim before attach"}
+        node, host = msg.get("node"), str(msg.get("host", "?"))
+        if node != att.node or host != att.host:
+            return {"ok": False, "error": "claim does not match the attachment"}
+        with self.lock:
+            for other in self.attached.values():
+                if other is not att and other.claimed and other.region == att.region and \
+                        other.node == node and other.host != host:
+                    return {"ok": False,
+                            "error": f"node {node} of {att.region} is held by host {other.host} "
+                                     f"(from {other.peer}); each node is one host"}
+            att.claimed = True
+        return {"ok": True}
 
     def _attach_reply(self, att: Attachment, msg: dict) -> dict:
         served = self.regions[att.region]

@@ -9,7 +9,8 @@ which exception a code becomes is decided here alone.
 import os
 
 from cxlrt.errors import (ChannelRoleLostError, CoherenceError, InvalidFreeError, LeaseLost,
-                          LockTimeout, NoLockManager, OutOfMemory, OutOfRangeError,
+                          LockTimeout, MediumError, NoLockManager, OutOfMemory,
+                          OutOfRangeError,
                           RegionClosedError, RegionError, UnsupportedError)
 
 # code: (name, exception class, what it means when the caller has nothing to add)
@@ -18,7 +19,7 @@ _MEANING = {
     CXLRT_E_COHERENCE: ("CXLRT_E_COHERENCE", CoherenceError,
                         "the emulation's checker caught a violation of the memory model"),
     CXLRT_E_CLOSED: ("CXLRT_E_CLOSED", RegionClosedError, "the region is closed"),
-    CXLRT_E_IO: ("CXLRT_E_IO", RegionError, "the medium failed"),
+    CXLRT_E_IO: ("CXLRT_E_IO", MediumError, "the medium failed"),
     CXLRT_E_UNSUPPORTED: ("CXLRT_E_UNSUPPORTED", UnsupportedError,
                           "not supported by this backend"),
     CXLRT_E_TIMEOUT: ("CXLRT_E_TIMEOUT", LockTimeout, "timed out"),

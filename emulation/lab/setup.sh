@@ -75,11 +75,26 @@ if [ ! -f "$ROOT/.complete" ] || [ ! -f "$ROOT/lib/modules/$KVER/modules.dep" ];
     log "debootstrap (about a minute)"
     rm -rf "$ROOT"
     debootstrap --variant=minbase \
-        --include=python3,python3-numpy,ndctl,daxctl,numactl,kmod,procps,iproute2,rdma-core,ibverbs-utils,ibverbs-providers,python3-pyverbs \
+        --include=python3,python3-numpy,ndctl,daxctl,numactl,kmod,procps,iproute2,rdma-core,ibverbs-utils,ibverbs-providers,python3-pyverbs,perftest \
         bookworm "$ROOT" >/dev/null
     mkdir -p "$ROOT/lib/modules"
     cp -a "$LAB/kernel/lib/modules/$KVER" "$ROOT/lib/modules/"
     touch "$ROOT/.complete"
+fi
+# perftest (ib_read_bw, ib_write_bw, ib_read_lat: the baselines of perf/rdma_lab.py),
+# unpacked into a root made before it was on the list.
+if [ ! -x "$ROOT/usr/bin/ib_read_bw" ]; then
+    log "adding perftest to the guest root"
+    apt-get update -qq
+    (cd "$LAB" && apt-get download -qq perftest/bookworm && dpkg -x perftest_*.deb "$ROOT" &&
+     rm -f perftest_*.deb)
+fi
+# libibverbs' headers on this host: cxlrt's rdma: backend builds against them (setup.py),
+# and its tests run in the guests.
+if [ ! -f /usr/include/infiniband/verbs.h ]; then
+    log "installing libibverbs-dev"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        libibverbs-dev >/dev/null
 fi
 install -m 0755 "$HERE/guest-init.sh" "$ROOT/sbin/lab-init"
 install -m 0755 "$HERE/guest-cxl.sh" "$ROOT/sbin/lab-cxl"

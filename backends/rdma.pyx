@@ -282,6 +282,18 @@ PARAMS = {
 """Spec parameters accepted by ``rdma:``."""
 
 
+def server(*args, **kwargs):
+    """A :class:`cxlrt.backends.rdma_serve.Server` (``cxlrt serve``)."""
+    from cxlrt.backends.rdma_serve import Server
+    return Server(*args, **kwargs)
+
+
+def parse_region_arg(str text):
+    """``NAME=SPEC`` or ``SPEC`` -> (name, spec), as ``cxlrt serve`` takes them."""
+    from cxlrt.backends.rdma_serve import parse_region_arg as parse
+    return parse(text)
+
+
 def is_device(str path):
     """A served region is used whole, like a device: its size is the server's."""
     return True

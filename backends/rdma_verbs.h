@@ -220,6 +220,7 @@ static void cxv_qp_destroy(cxv_qp* q) {
 }
 
 enum { CXV_OK = 0, CXV_POST = 1, CXV_WC = 2, CXV_TIMEOUT = 3, CXV_POLL = 4 };
+#define CXV_SPIN_NS 500000ull
 
 /* Move n bytes between local [laddr, +n) (registered, lkey) and remote [raddr, +n)
  * (rkey): READ when !write. At most `chunk` bytes per request, `depth` in flight, all
@@ -231,7 +232,7 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
     struct ibv_sge sge;
     struct ibv_send_wr wr, *bad;
     struct ibv_wc wc[16];
-    uint64_t posted = 0, sent = 0, done = 0;
+    uint64_t sent = 0, done = 0, spin_end = 0;
     int inflight = 0, spins = 0, k, i;
     *wc_status = 0;
     while (done < n) {
@@ -255,7 +256,6 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
             }
             sent += len;
             inflight++;
-            posted++;
         }
         k = ibv_poll_cq(q->cq, 16, wc);
         if (k < 0) return CXV_POLL;
@@ -267,11 +267,16 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
             done += wc[i].wr_id;
             inflight--;
         }
-        if (k == 0) {
-            if (++spins >= 256) {
+        if (k == 0 && ++spins % 64 == 0) {
+            /* Busy-poll for the first CXV_SPIN_NS of a wait (a round trip is tens of
+             * microseconds: a sleep would cost more than it waits), then poll between
+             * short sleeps, leaving the core to whoever completes the request. */
+            uint64_t now = cxv_now_ns();
+            if (now > deadline_ns) return CXV_TIMEOUT;
+            if (spin_end == 0) {
+                spin_end = now + CXV_SPIN_NS;
+            } else if (now > spin_end) {
                 struct timespec ts = {0, 5000};
-                spins = 0;
-                if (cxv_now_ns() > deadline_ns) return CXV_TIMEOUT;
                 nanosleep(&ts, NULL);
             }
         }

@@ -154,9 +154,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cxlrt.serve import Server, parse_region_arg
-    regions = dict(parse_region_arg(r) for r in args.regions)
-    server = Server(regions, args.listen, dev=args.dev, ib_port=args.ib_port, gid=args.gid)
+    from cxlrt import registry
+    registry.get("rdma")  # ImportError with what to install, where it is not built
+    parse, make = registry.hook("rdma", "parse_region_arg"), registry.hook("rdma", "server")
+    regions = dict(parse(r) for r in args.regions)
+    server = make(regions, args.listen, dev=args.dev, ib_port=args.ib_port, gid=args.gid)
     stopped = threading.Event()
 
     def stop(*_):

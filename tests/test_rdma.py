@@ -147,7 +147,7 @@ def test_serve_refuses_a_bad_listen_address(listen, capsys):
 
 
 def test_region_names_come_from_the_medium_or_are_given():
-    from cxlrt.serve import parse_region_arg
+    from cxlrt.backends.rdma_serve import parse_region_arg
     assert parse_region_arg("file:/dev/shm/rack0") == ("rack0", "file:/dev/shm/rack0")
     assert parse_region_arg("kv=dax:/dev/dax0.0") == ("kv", "dax:/dev/dax0.0")
     assert parse_region_arg("dax:/dev/dax0.0?sync=auto") == ("dax0.0", "dax:/dev/dax0.0?sync=auto")

@@ -81,13 +81,16 @@ if [ ! -f "$ROOT/.complete" ] || [ ! -f "$ROOT/lib/modules/$KVER/modules.dep" ];
     cp -a "$LAB/kernel/lib/modules/$KVER" "$ROOT/lib/modules/"
     touch "$ROOT/.complete"
 fi
-# perftest (ib_read_bw, ib_write_bw, ib_read_lat: the baselines of perf/rdma_lab.py),
-# unpacked into a root made before it was on the list.
-if [ ! -x "$ROOT/usr/bin/ib_read_bw" ]; then
+# perftest (ib_read_bw, ib_write_bw, ib_read_lat: the baselines of perf/rdma_lab.py)
+# and what it needs beyond rdma-core, unpacked into a root made before it was listed.
+if [ ! -f "$ROOT/usr/share/doc/libpci3/copyright" ] || [ ! -x "$ROOT/usr/bin/ib_read_bw" ]; then
     log "adding perftest to the guest root"
     apt-get update -qq
-    (cd "$LAB" && apt-get download -qq perftest/bookworm && dpkg -x perftest_*.deb "$ROOT" &&
-     rm -f perftest_*.deb)
+    (cd "$LAB" && apt-get download -qq perftest/bookworm libpci3/bookworm pci.ids/bookworm \
+        libibumad3/bookworm librdmacm1/bookworm &&
+     for d in perftest_*.deb libpci3_*.deb pci.ids_*.deb libibumad3_*.deb librdmacm1_*.deb; do
+         dpkg -x "$d" "$ROOT"
+     done && rm -f ./*.deb)
 fi
 # libibverbs' headers on this host: cxlrt's rdma: backend builds against them (setup.py),
 # and its tests run in the guests.

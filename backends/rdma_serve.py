@@ -1,4 +1,4 @@
-"""``cxlrt serve``: expose local regions to other hosts over RDMA.
+"""``cxlrt serve``: expose local regions to other hosts over RDMA (``rdma:``'s server).
 
 Each served region's whole mapping is registered once as an RDMA memory region
 (remote READ and WRITE). A client attaches over TCP (backends/_rdmawire.py); the

@@ -476,14 +476,8 @@ cdef class RdmaBackend(Backend):
         self.c.dev = self.device.d
         self.c.gen = _fork_gen
         self.c.gone = 0
-        self.reg.base = NULL
-        self.reg.size = size
-        self.reg.caps = CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS
-        self.reg.flags = CXL_F_NOFLUSH
-        self.reg.node = node
-        self.reg.ctx = &self.c
-        self.reg.ops = &RDMA_OPS
-        self.reg.closed = 0
+        self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
+                         &self.c, &RDMA_OPS)
         self.watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self.conn),
                                         name="cxlrt-rdma-watch", daemon=True)
         self.watcher.start()

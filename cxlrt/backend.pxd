@@ -78,6 +78,8 @@ cdef class Backend:
 
     cdef cxl_region* region(self) except NULL
     cpdef close(self)
+    cdef _use_device(self, uint64_t size, uint32_t caps, uint32_t flags, int node,
+                     void* ctx, const cxl_ops* ops)
     cdef int _retire(self, Mapping m) except -1
 
 

@@ -2,7 +2,7 @@
 """Base class of every backend; the C contract is in backend.pxd."""
 
 cimport cython
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.includes.intrin cimport CXL_NT_MIN, CXLRT_DEBUG, cxl_nt_enabled
 from cxlrt.mapping cimport Mapping
@@ -37,6 +37,18 @@ cdef class Backend:
     cpdef close(self):
         """Stop every later call through the region (idempotent)."""
         self.reg.closed = 1
+
+    cdef _use_device(self, uint64_t size, uint32_t caps, uint32_t flags, int node,
+                     void* ctx, const cxl_ops* ops):
+        """Open the view of a medium reached only through `ops` (no mapping: base NULL)."""
+        self.reg.base = NULL
+        self.reg.size = size
+        self.reg.caps = caps
+        self.reg.flags = flags
+        self.reg.node = node
+        self.reg.ctx = ctx
+        self.reg.ops = ops
+        self.reg.closed = 0
 
     cdef int _retire(self, Mapping m) except -1:
         """Close the region and retire its mapping `m` (idempotent; raises, and stays

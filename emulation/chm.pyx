@@ -401,14 +401,8 @@ cdef class ChmBackend(Backend):
         self.c.read_bpns = params["bw"]
         self.c.write_bpns = params["wbw"] or params["bw"]
         self.c.lock_timeout_ns = <uint64_t>(LOCK_TIMEOUT_S * 1e9)
-        self.reg.base = NULL
-        self.reg.size = size
-        self.reg.caps = CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS
-        self.reg.flags = CXL_F_NOFLUSH
-        self.reg.node = node
-        self.reg.ctx = &self.c
-        self.reg.ops = &CHM_OPS
-        self.reg.closed = 0
+        self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
+                         &self.c, &CHM_OPS)
 
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
         """Nothing per node: every node reaches the one device."""

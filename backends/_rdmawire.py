@@ -10,9 +10,12 @@ No KV byte ever crosses it.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import queue
 import socket
+import weakref
 
 VERSION = 1
 CONNECT_TIMEOUT_S = 5.0
@@ -50,7 +53,7 @@ def recv(f, what: str) -> dict:
         raise RdmaServerError(f"{what}: the connection closed")
     try:
         msg = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RdmaServerError(f"{what}: not a protocol message: {line[:80]!r}") from None
     if not isinstance(msg, dict):
         raise RdmaServerError(f"{what}: not a protocol message: {line[:80]!r}")
@@ -93,6 +96,19 @@ def info(path: str, timeout: float = CONNECT_TIMEOUT_S) -> dict:
         return _ask(sock, f, path, {"op": "info", "name": name, "version": VERSION})
 
 
+_open: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child's copies of our connections would keep them open after the parent
+    # died, and the server would keep the parent's queue pairs and node claims.
+    for c in list(_open):
+        c.sock.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Control:
     """An attachment's open control connection: its end is the peer's end."""
 
@@ -100,6 +116,8 @@ class Control:
         self.sock = sock
         self.path = path
         self.replies: queue.Queue = queue.Queue()
+        self.seq = itertools.count(1)
+        _open.add(self)
 
     def wait_closed(self) -> str:
         """Read the connection until the peer's end goes (one thread does, for good);
@@ -117,7 +135,7 @@ class Control:
                     line, buf = buf.split(b"\n", 1)
                     try:
                         msg = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         continue
                     if not isinstance(msg, dict):
                         continue
@@ -132,13 +150,19 @@ class Control:
             self.replies.put(None)
 
     def ask(self, msg: dict, timeout: float) -> dict:
-        """Send `msg` and wait for the server's reply (wait_closed must be running)."""
-        send(self.sock, {"version": VERSION, "name": split(self.path)[2], **msg})
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"rdma:{self.path}: the server did not answer "
-                               f"{msg['op']!r} in {timeout} s") from None
+        """Send `msg` and wait for the server's reply (wait_closed must be running).
+        Replies carry the request's sequence number: a late answer to an earlier ask
+        that timed out is dropped, never taken for this one's."""
+        seq = next(self.seq)
+        send(self.sock, {"version": VERSION, "name": split(self.path)[2], "seq": seq, **msg})
+        while True:
+            try:
+                reply = self.replies.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"rdma:{self.path}: the server did not answer "
+                                   f"{msg['op']!r} in {timeout} s") from None
+            if reply is None or reply.get("seq") == seq:
+                break
         if reply is None:
             raise RdmaServerError(f"rdma:{self.path}: the connection closed during "
                                   f"{msg['op']!r}")
@@ -163,7 +187,7 @@ class Control:
 
 
 def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float,
-           host: str | None = None) -> tuple[Control, dict]:
+           host: str | None = None, mtu: int = 0, rd_atom: int = 0) -> tuple[Control, dict]:
     """Attach a queue pair; the open connection (keep it) and the server's reply."""
     if host is None:
         from cxlrt.liveness import host_id
@@ -172,8 +196,8 @@ def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float
     f = sock.makefile("rb")
     try:
         reply = _ask(sock, f, path, {"op": "attach", "name": name, "version": VERSION,
-                                     "node": node, "host": host,
-                                     "qpn": qpn, "psn": psn, "gid": gid})
+                                     "node": node, "host": host, "qpn": qpn, "psn": psn,
+                                     "gid": gid, "mtu": mtu, "rd_atom": rd_atom})
     except BaseException:
         f.close()
         sock.close()

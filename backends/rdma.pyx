@@ -56,6 +56,8 @@ cdef extern from "rdma_verbs.h" nogil:
         uint8_t port
         int gid_index
         ibv_gid gid
+        int mtu
+        int rd_atom
     struct ibv_qp:
         uint32_t qp_num
     ctypedef struct cxv_qp:
@@ -68,10 +70,10 @@ cdef extern from "rdma_verbs.h" nogil:
     int ibv_dereg_mr(ibv_mr* mr)
     int cxv_qp_create(cxv_dev* d, cxv_qp* q, int depth, uint32_t psn)
     int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
-                       const uint8_t* rgid, int timeout, int retry)
+                       const uint8_t* rgid, int mtu, int rd_atom, int timeout, int retry)
     void cxv_qp_destroy(cxv_qp* q)
     int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
-                 uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t deadline_ns,
+                 uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
                  int* wc_status)
     uint64_t cxv_now_ns()
     enum:
@@ -98,7 +100,7 @@ cdef enum:
 _KINDS = {CXV_FORKED: "used in a forked child: an RDMA attachment belongs to the process "
                       "that opened it (open the region again in the child)",
           CXV_POST: "posting a request failed", CXV_WC: "a completion error",
-          CXV_TIMEOUT: "no completion before the deadline", CXV_POLL: "polling failed"}
+          CXV_TIMEOUT: "no completion for the attachment's timeout", CXV_POLL: "polling failed"}
 # ibv_wc_status values worth naming (infiniband/verbs.h).
 _WC = {5: "flushed (the queue pair is in error)", 9: "remote invalid request",
        10: "remote access error (a key that is no longer valid, or out of range)",
@@ -157,7 +159,8 @@ cdef int _registered(rdma_ctx* c, char* buf, uint64_t n) noexcept nogil:
     cdef uint64_t a = <uint64_t><size_t>buf
     cdef int i
     for i in range(REG_MAX):
-        if c.regs[i].mr != NULL and a >= c.regs[i].start and n <= c.regs[i].end - a:
+        if (c.regs[i].mr != NULL and c.regs[i].start <= a <= c.regs[i].end
+                and n <= c.regs[i].end - a):
             c.tick += 1
             c.regs[i].used = c.tick
             return i
@@ -171,6 +174,16 @@ cdef int _slot(rdma_ctx* c, uint64_t a) noexcept nogil:
         if c.regs[i].mr != NULL and c.regs[i].start == a:
             return i
     return -1
+
+
+cdef void _drop_regs(rdma_ctx* c) noexcept nogil:
+    """Deregister every registered buffer (the lock held, or no other user left)."""
+    cdef int i
+    for i in range(REG_MAX):
+        if c.regs[i].mr != NULL:
+            ibv_dereg_mr(c.regs[i].mr)
+            c.regs[i].mr = NULL
+    c.nregs = 0
 
 
 cdef int _fail(rdma_ctx* c, int kind, int st) noexcept nogil:
@@ -189,18 +202,22 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     cdef uint32_t lkey
     cdef uint64_t cap = BOUNCE if big else SMALL, k
     cdef int rc = 0, r, st = 0, i = -1
+    if c.gen != _fork_gen:
+        # Before the lock: a parent thread inside an access at fork() left the child's
+        # copy of it locked for good. The child's copy of the context is its own.
+        if not c.broken:
+            _fail(c, CXV_FORKED, 0)
+        return CXLRT_E_IO
     pthread_mutex_lock(&c.lock)
     if c.gone:
         rc = CXLRT_E_CLOSED
-    elif c.gen != _fork_gen:
-        rc = CXLRT_E_IO if c.broken else _fail(c, CXV_FORKED, 0)
     elif c.broken:
         rc = CXLRT_E_IO
     elif big and c.nregs:
         i = _registered(c, buf, n)
     if rc == 0 and i >= 0:
         r = cxv_xfer(&c.qp, write, buf, c.regs[i].mr.lkey, c.raddr + off, c.rkey, n,
-                     c.chunk, cxv_now_ns() + c.timeout_ns, &st)
+                     c.chunk, c.timeout_ns, &st)
         if r != CXV_OK:
             rc = _fail(c, r, st)
         else:
@@ -214,7 +231,7 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             if write:
                 memcpy(stage, buf, k)
             r = cxv_xfer(&c.qp, write, stage, lkey, c.raddr + off, c.rkey, k, c.chunk,
-                         cxv_now_ns() + c.timeout_ns, &st)
+                         c.timeout_ns, &st)
             if r != CXV_OK:
                 rc = _fail(c, r, st)
                 break
@@ -274,9 +291,9 @@ PARAMS = {
     "port": (parse_int_range(1, 255), 1, "RDMA port number"),
     "gid": (parse_int_range(-1, 255), -1,
             "GID index (default: the first IPv4-mapped GID, else the first set one)"),
-    "timeout": (parse_float_range(0.05, 600.0), 5.0,
-                "seconds an access may wait for its completion before the attachment "
-                "is broken"),
+    "timeout": (parse_float_range(1.0, 600.0), 5.0,
+                "seconds without a completion before the attachment is broken (at least "
+                "the device's own retry window, about 0.5 s)"),
     "chunk": (parse_int_range(4096, 1 << 30), 1 << 20, "bytes per RDMA request"),
 }
 """Spec parameters accepted by ``rdma:``."""
@@ -331,6 +348,16 @@ cdef class Device:
     @property
     def gid(self):
         return bytes(self.d.gid.raw[:16]).hex()
+
+    @property
+    def mtu(self):
+        """The port's active MTU (ibv_mtu: 1 = 256 B ... 5 = 4096 B)."""
+        return self.d.mtu
+
+    @property
+    def rd_atom(self):
+        """READs this side lets a queue pair have in flight."""
+        return self.d.rd_atom
 
     def __dealloc__(self):
         if self.gen == _fork_gen:  # a forked child's copy is its parent's: leave it
@@ -389,13 +416,15 @@ cdef class QueuePair:
     def psn(self):
         return self.q.psn
 
-    def connect(self, unsigned int qpn, unsigned int psn, str gid, int timeout=14,
-                int retry=7):
-        """Bring the queue pair to ready-to-send against the peer's."""
+    def connect(self, unsigned int qpn, unsigned int psn, str gid, int mtu=0, int rd_atom=0,
+                int timeout=14, int retry=7):
+        """Bring the queue pair to ready-to-send against the peer's (its MTU and READ
+        depth: the smaller of each side's is used; 0 = this side's)."""
         cdef bytes g = bytes.fromhex(gid)
         if len(g) != 16:
             raise ValueError(f"bad GID {gid!r}")
-        cdef int rc = cxv_qp_connect(&self.device.d, &self.q, qpn, psn, g, timeout, retry)
+        cdef int rc = cxv_qp_connect(&self.device.d, &self.q, qpn, psn, g, mtu, rd_atom,
+                                     timeout, retry)
         if rc != 0:
             raise OSError(-rc, f"connecting the queue pair: {os.strerror(-rc)}")
 
@@ -439,6 +468,7 @@ cdef class RdmaBackend(Backend):
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
         cdef void* p = NULL
+        self.c.gen = _fork_gen
         self.scheme = "rdma"
         self.path = path
         self.pinned = {}
@@ -460,13 +490,14 @@ cdef class RdmaBackend(Backend):
             raise OSError(_errno(), "rdma: registering the staging buffers")
         self.conn, self.server = _wire.attach(
             path, node=node, qpn=self.qp.qpn, psn=self.qp.psn, gid=self.device.gid,
-            timeout=params["timeout"])
+            mtu=self.device.mtu, rd_atom=self.device.rd_atom, timeout=params["timeout"])
         if self.server["size"] != size:
             self.conn.close()
             raise OSError(f"rdma:{path}: the server's region is {self.server['size']} "
                           f"bytes, not {size}")
         try:
-            self.qp.connect(self.server["qpn"], self.server["psn"], self.server["gid"])
+            self.qp.connect(self.server["qpn"], self.server["psn"], self.server["gid"],
+                            self.server.get("mtu", 0), self.server.get("rd_atom", 0))
         except BaseException:
             self.conn.close()
             raise
@@ -474,7 +505,6 @@ cdef class RdmaBackend(Backend):
         self.c.rkey = self.server["rkey"]
         self.c.qp = self.qp.q
         self.c.dev = self.device.d
-        self.c.gen = _fork_gen
         self.c.gone = 0
         self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
                          &self.c, &RDMA_OPS)
@@ -483,10 +513,16 @@ cdef class RdmaBackend(Backend):
         self.watcher.start()
 
     cdef _lost(self, str why):
-        if not self.c.gone and not self.c.broken:
-            self.c.fail_kind = -1
+        cdef bint lost = False
+        with nogil:  # under the lock: a failure an access reports at once keeps its cause
+            pthread_mutex_lock(&self.c.lock)
+            if not self.c.gone and not self.c.broken:
+                self.c.fail_kind = -1
+                cxl_atomic_store_release32(&self.c.broken, 1)
+                lost = True
+            pthread_mutex_unlock(&self.c.lock)
+        if lost:
             self.why = why
-            cxl_atomic_store_release32(&self.c.broken, 1)
 
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
         """Nothing per node: every node reaches the server's memory."""
@@ -532,7 +568,8 @@ cdef class RdmaBackend(Backend):
         owner's back). At most REG_MAX (32) buffers are registered at once; the least
         recently used one goes (falls back to staging) to make room. Returns the bytes
         registered."""
-        cdef unsigned char[::1] v = memoryview(obj).cast("B")
+        mv = memoryview(obj).cast("B")  # held while registered: `obj` cannot be resized
+        cdef unsigned char[::1] v = mv
         cdef uint64_t a, n = v.shape[0]
         cdef int i, j = -1
         cdef ibv_mr* mr
@@ -562,7 +599,7 @@ cdef class RdmaBackend(Backend):
             self.c.nregs += 1
             pthread_mutex_unlock(&self.c.lock)
         self.pinned = {k: o for k, o in self.pinned.items() if _slot(&self.c, k) >= 0}
-        self.pinned[a] = obj
+        self.pinned[a] = mv
         return n
 
     def unregister(self, obj):
@@ -587,22 +624,25 @@ cdef class RdmaBackend(Backend):
     cpdef close(self):
         # Closed first; then the queue pair's lock waits out an access in flight (each
         # ends by its deadline), and only then go the queue pair and the buffers. In a
-        # forked child nothing of the parent's is touched: the queue pair and keys are
-        # the parent's, and so is the control connection (a shutdown would end it).
+        # forked child nothing of the parent's is touched (not even the lock, which a
+        # parent thread may have held at fork): the queue pair, the keys and the
+        # control connection are the parent's, and a shutdown would end it.
         self.reg.closed = 1
         if self.c.gone:
+            return
+        if self.c.gen != _fork_gen:
+            self.c.gone = 1
+            if self.conn is not None:
+                self.conn.close(hang_up=False)
             return
         with nogil:
             pthread_mutex_lock(&self.c.lock)
             self.c.gone = 1
+            _drop_regs(&self.c)
             pthread_mutex_unlock(&self.c.lock)
-        forked = self.c.gen != _fork_gen
         if self.conn is not None:
-            self.conn.close(hang_up=not forked)
-        if forked:
-            return
+            self.conn.close()
         self.qp.close()
-        self._drop_regs()
         self.pinned = {}
         if self.c.small_mr != NULL:
             ibv_dereg_mr(self.c.small_mr)
@@ -610,23 +650,15 @@ cdef class RdmaBackend(Backend):
             ibv_dereg_mr(self.c.bounce_mr)
         self.c.small_mr = self.c.bounce_mr = NULL
 
-    cdef _drop_regs(self):
-        cdef int i
-        for i in range(REG_MAX):
-            if self.c.regs[i].mr != NULL:
-                ibv_dereg_mr(self.c.regs[i].mr)
-                self.c.regs[i].mr = NULL
-        self.c.nregs = 0
-
     def __dealloc__(self):
-        cdef bint forked = self.c.gen != _fork_gen and not self.c.gone
+        cdef bint forked = self.c.gen != _fork_gen
         self.reg.closed = 1
         self.c.gone = 1
         if self.conn is not None:
             self.conn.close(hang_up=not forked)  # the server drops our queue pair at once
         if forked:
             return  # the parent's: nothing to give back here
-        self._drop_regs()  # the QueuePair's own dealloc destroys it
+        _drop_regs(&self.c)  # the QueuePair's own dealloc destroys it
         if self.c.small_mr != NULL:
             ibv_dereg_mr(self.c.small_mr)
         if self.c.bounce_mr != NULL:

@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 
 from cxlrt.backends import _rdmawire as wire
 
+# Each connection is a thread and, once attached, a queue pair: a bound, so that a
+# flood of connections runs into a refusal rather than the process's limits.
+MAX_CONNECTIONS = 1024
+
 
 @dataclass
 class Served:
@@ -118,14 +122,29 @@ class Server:
                 conn, peer = self.sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as e:
                 if self.stopping.is_set():
                     break
-                raise
+                # Out of descriptors, a connection reset before accept: one client's
+                # trouble, never a reason to drop every other client's attachment.
+                self.log(f"accept: {e}; going on")
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                full = len(self.conns) >= MAX_CONNECTIONS
+                if not full:
+                    self.conns.add(conn)
+            if full:
+                self.log(f"{peer[0]}:{peer[1]}: refused, {MAX_CONNECTIONS} connections open")
+                try:
+                    wire.send(conn, {"ok": False, "error": f"the server holds "
+                                     f"{MAX_CONNECTIONS} connections; try later"})
+                except OSError:
+                    pass
+                conn.close()
+                continue
             conn.settimeout(None)
             _keepalive(conn)
-            with self.lock:
-                self.conns.add(conn)
             threading.Thread(target=self._client, args=(conn, f"{peer[0]}:{peer[1]}"),
                              name="cxlrt-serve-client", daemon=True).start()
 
@@ -138,10 +157,15 @@ class Server:
                     msg = wire.recv(f, peer)
                 except wire.RdmaServerError:
                     return
-                reply = self._answer(msg, peer, att)
+                try:
+                    reply = self._answer(msg, peer, att)
+                except (TypeError, ValueError, OverflowError, RecursionError) as e:
+                    reply = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
                 if isinstance(reply, Attachment):
                     att = reply
                     reply = self._attach_reply(att, msg)
+                if "seq" in msg:
+                    reply["seq"] = msg["seq"]
                 wire.send(conn, reply)
         except OSError:
             return
@@ -159,6 +183,8 @@ class Server:
     def _answer(self, msg: dict, peer: str, att):
         from cxlrt.backends import rdma
         op, name = msg.get("op"), msg.get("name")
+        if not isinstance(name, str):
+            return {"ok": False, "error": "a request names its region (a string)"}
         if msg.get("version") != wire.VERSION:
             return {"ok": False, "error": f"protocol version {msg.get('version')!r}; this "
                     f"server speaks {wire.VERSION}"}
@@ -180,12 +206,15 @@ class Server:
         if att is not None:
             return {"ok": False, "error": "this connection is already attached"}
         node, qpn, psn, gid = (msg.get(k) for k in ("node", "qpn", "psn", "gid"))
-        if not all(isinstance(v, int) and v >= 0 for v in (node, qpn, psn)) or \
-                not isinstance(gid, str):
-            return {"ok": False, "error": "attach needs node, qpn, psn (ints) and gid"}
+        mtu, rd_atom = msg.get("mtu", 0), msg.get("rd_atom", 0)
+        if not all(isinstance(v, int) and 0 <= v < 1 << 24 for v in (qpn, psn)) or \
+                not all(isinstance(v, int) and 0 <= v < 1 << 16 for v in (node, mtu, rd_atom)) \
+                or not isinstance(gid, str):
+            return {"ok": False, "error": "attach needs node, qpn, psn (24-bit ints), gid, "
+                                          "and optionally mtu and rd_atom"}
         qp = rdma.QueuePair(self.device)
         try:
-            qp.connect(qpn, psn, gid)
+            qp.connect(qpn, psn, gid, mtu, rd_atom)
         except (OSError, ValueError) as e:
             qp.close()
             return {"ok": False, "error": f"connecting to the client's queue pair: {e}"}
@@ -217,7 +246,7 @@ class Server:
         served = self.regions[att.region]
         return {"ok": True, "size": served.size, "addr": served.addr, "rkey": served.mr.rkey,
                 "qpn": att.qp.qpn, "psn": att.qp.psn, "gid": self.device.gid,
-                "epoch": self.epoch}
+                "mtu": self.device.mtu, "rd_atom": self.device.rd_atom, "epoch": self.epoch}
 
     def stop(self, why: str = "stopped") -> None:
         """Stop accepting, tell every client, drop every queue pair, release the regions."""

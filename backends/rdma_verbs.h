@@ -25,6 +25,7 @@ typedef struct {
     int gid_index;
     union ibv_gid gid;
     enum ibv_mtu mtu;
+    int rd_atom;    /* READs in flight per QP, as the device allows (at most 16) */
 } cxv_dev;
 
 typedef struct {
@@ -95,11 +96,18 @@ static int cxv_open(cxv_dev* d, const char* name, int port, int gid_index, char*
     d->mtu = pa.active_mtu;
     if (gid_index < 0) {
         int first = -1;
+        /* An IPv4-mapped GID of RoCE v2 (routable UDP), not its v1 twin that some
+         * devices list first for the same address. */
         for (i = 0; i < pa.gid_tbl_len && i < 64; i++) {
             union ibv_gid g;
+            struct ibv_gid_entry e;
             if (ibv_query_gid(d->ctx, d->port, i, &g) != 0 || cxv_gid_is_zero(&g)) continue;
             if (first < 0) first = i;
-            if (cxv_gid_is_v4(&g)) { gid_index = i; break; }
+            if (!cxv_gid_is_v4(&g)) continue;
+            if (ibv_query_gid_ex(d->ctx, d->port, i, &e, 0) == 0 &&
+                e.gid_type != IBV_GID_TYPE_ROCE_V2) continue;
+            gid_index = i;
+            break;
         }
         if (gid_index < 0) gid_index = first;
         if (gid_index < 0) {
@@ -112,6 +120,13 @@ static int cxv_open(cxv_dev* d, const char* name, int port, int gid_index, char*
         goto fail;
     }
     d->gid_index = gid_index;
+    {
+        struct ibv_device_attr da;
+        d->rd_atom = 16;
+        if (ibv_query_device(d->ctx, &da) == 0 && da.max_qp_rd_atom > 0 &&
+            da.max_qp_rd_atom < d->rd_atom)
+            d->rd_atom = da.max_qp_rd_atom;
+    }
     d->pd = ibv_alloc_pd(d->ctx);
     if (d->pd == NULL) {
         snprintf(err, errlen, "ibv_alloc_pd: %s", strerror(errno));
@@ -181,14 +196,15 @@ static int cxv_qp_create(cxv_dev* d, cxv_qp* q, int depth, uint32_t psn) {
  * retry: tries after the first; their product bounds how long a dead peer takes to
  * show as IBV_WC_RETRY_EXC_ERR. */
 static int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
-                          const uint8_t* rgid, int timeout, int retry) {
+                          const uint8_t* rgid, int mtu, int rd_atom, int timeout, int retry) {
+    /* mtu, rd_atom: the peer's; each side uses the smaller of its own and the peer's. */
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof(a));
     a.qp_state = IBV_QPS_RTR;
-    a.path_mtu = d->mtu;
+    a.path_mtu = (enum ibv_mtu)(mtu > 0 && mtu < (int)d->mtu ? mtu : (int)d->mtu);
     a.dest_qp_num = rqpn;
     a.rq_psn = rpsn & 0xffffff;
-    a.max_dest_rd_atomic = 16;
+    a.max_dest_rd_atomic = (uint8_t)d->rd_atom;
     a.min_rnr_timer = 12;
     a.ah_attr.is_global = 1;
     memcpy(a.ah_attr.grh.dgid.raw, rgid, 16);
@@ -205,7 +221,7 @@ static int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
     a.retry_cnt = (uint8_t)retry;
     a.rnr_retry = (uint8_t)retry;
     a.sq_psn = q->psn;
-    a.max_rd_atomic = 16;
+    a.max_rd_atomic = (uint8_t)(rd_atom > 0 && rd_atom < d->rd_atom ? rd_atom : d->rd_atom);
     if (ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                       IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0)
         return -errno;
@@ -222,13 +238,38 @@ static void cxv_qp_destroy(cxv_qp* q) {
 enum { CXV_OK = 0, CXV_POST = 1, CXV_WC = 2, CXV_TIMEOUT = 3, CXV_POLL = 4 };
 #define CXV_SPIN_NS 500000ull
 
+/* After a failure: the QP to the error state, so the device stops retrying and
+ * flushes what it still holds, then its `inflight` completions reaped (bounded), so
+ * no READ lands in the caller's buffer after the caller was told it failed. A WRITE
+ * the responder already took cannot be called back: it may still land. */
+static void cxv_abort(cxv_qp* q, int inflight) {
+    struct ibv_qp_attr a;
+    struct ibv_wc wc[16];
+    uint64_t end = cxv_now_ns() + 2000000000ull;
+    memset(&a, 0, sizeof(a));
+    a.qp_state = IBV_QPS_ERR;
+    ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+    while (inflight > 0 && cxv_now_ns() < end) {
+        int k = ibv_poll_cq(q->cq, 16, wc);
+        if (k < 0) break;
+        inflight -= k;
+        if (k == 0) {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
 /* Move n bytes between local [laddr, +n) (registered, lkey) and remote [raddr, +n)
  * (rkey): READ when !write. At most `chunk` bytes per request, `depth` in flight, all
- * complete on return 0. On failure *wc_status holds the completion status (or an
- * errno for CXV_POST) and the QP must not be used again. */
+ * complete on return 0. A failure is a completion error, or no completion for
+ * `timeout_ns` (the clock restarts at each one: a long transfer that moves is never
+ * cut off). On failure *wc_status holds the completion status (or an errno for
+ * CXV_POST), the QP is in the error state and drained, and must not be used again. */
 static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
-                    uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t deadline_ns,
+                    uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
                     int* wc_status) {
+    uint64_t deadline_ns = cxv_now_ns() + timeout_ns;
     struct ibv_sge sge;
     struct ibv_send_wr wr, *bad;
     struct ibv_wc wc[16];
@@ -252,27 +293,39 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
             k = ibv_post_send(q->qp, &wr, &bad);
             if (k != 0) {
                 *wc_status = k;
+                cxv_abort(q, inflight);
                 return CXV_POST;
             }
             sent += len;
             inflight++;
         }
         k = ibv_poll_cq(q->cq, 16, wc);
-        if (k < 0) return CXV_POLL;
+        if (k < 0) {
+            cxv_abort(q, inflight);
+            return CXV_POLL;
+        }
         for (i = 0; i < k; i++) {
+            inflight--;
             if (wc[i].status != IBV_WC_SUCCESS) {
                 *wc_status = (int)wc[i].status;
+                cxv_abort(q, inflight - (k - i - 1));  /* those after i: already reaped */
                 return CXV_WC;
             }
             done += wc[i].wr_id;
-            inflight--;
+        }
+        if (k > 0) {
+            deadline_ns = cxv_now_ns() + timeout_ns;
+            spin_end = 0;
         }
         if (k == 0 && ++spins % 64 == 0) {
             /* Busy-poll for the first CXV_SPIN_NS of a wait (a round trip is tens of
              * microseconds: a sleep would cost more than it waits), then poll between
              * short sleeps, leaving the core to whoever completes the request. */
             uint64_t now = cxv_now_ns();
-            if (now > deadline_ns) return CXV_TIMEOUT;
+            if (now > deadline_ns) {
+                cxv_abort(q, inflight);
+                return CXV_TIMEOUT;
+            }
             if (spin_end == 0) {
                 spin_end = now + CXV_SPIN_NS;
             } else if (now > spin_end) {

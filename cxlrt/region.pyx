@@ -149,7 +149,11 @@ cdef class Region:
                     raise
         self._closing.clear()
         if self._locks is not None:
-            self._locks.stop_manager()
+            try:
+                self._locks.stop_manager()
+            except MediumError:
+                if not self._cut_off():
+                    raise
             self._locks.begin_close(CLOSE_WAIT_S)
         live, self._live = self._live, None
         if live is not None and not self.r.closed:

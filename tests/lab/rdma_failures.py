@@ -94,6 +94,30 @@ def main():
     qp.close()
     holder.close()
 
+    # Zero copy through a registered buffer, and an unregistered one beside it (above or
+    # below it in memory) through staging: both exact, neither breaks the attachment.
+    import numpy as np
+    z = cxlrt.open(spec, node=2)
+    blob = np.frombuffer(os.urandom(3 << 20), np.uint8)
+    zoff = z.alloc(blob.nbytes)
+    z.dma_write(zoff, blob)
+    reg = np.zeros(blob.nbytes, np.uint8)
+    others = [np.zeros(blob.nbytes, np.uint8) for _ in range(3)]
+    z.backend.register(reg)
+
+    def zero_copy():
+        before = z.backend.stats()["direct_bytes"]
+        for buf in (reg, *others):
+            z.dma_read_into(zoff, buf)
+            assert (buf == blob).all()
+        assert z.backend.failure() is None, z.backend.failure()
+        # Only the registered buffer went straight into place.
+        assert z.backend.stats()["direct_bytes"] - before == blob.nbytes
+    timed("registered and unregistered buffers", zero_copy)
+    z.backend.unregister(reg)
+    z.free(zoff)
+    z.close()
+
     # A key that is no longer valid: the server side checks every request against the
     # registered region's key; a wrong one completes with a remote access error.
     r = cxlrt.open(spec, node=1)

@@ -161,7 +161,7 @@ class Control:
             except queue.Empty:
                 raise TimeoutError(f"rdma:{self.path}: the server did not answer "
                                    f"{msg['op']!r} in {timeout} s") from None
-            if reply is None or reply.get("seq") == seq:
+            if reply is None or reply.get("seq", seq) == seq:
                 break
         if reply is None:
             raise RdmaServerError(f"rdma:{self.path}: the connection closed during "

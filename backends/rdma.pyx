@@ -574,6 +574,8 @@ cdef class RdmaBackend(Backend):
         cdef int i, j = -1
         cdef ibv_mr* mr
         self.region()
+        if self.c.gen != _fork_gen:
+            raise OSError(f"rdma:{self.path}: {_KINDS[CXV_FORKED]}")
         if n == 0:
             raise ValueError("register: an empty buffer")
         a = <uint64_t><size_t>&v[0]
@@ -607,6 +609,8 @@ cdef class RdmaBackend(Backend):
         cdef unsigned char[::1] v = memoryview(obj).cast("B")
         cdef uint64_t a = <uint64_t><size_t>&v[0] if v.shape[0] else 0
         cdef int i
+        if self.c.gen != _fork_gen or self.c.gone:
+            return  # the parent's registrations, or all dropped by close()
         with nogil:
             pthread_mutex_lock(&self.c.lock)
             i = _slot(&self.c, a)

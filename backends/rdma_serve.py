@@ -22,6 +22,7 @@ from cxlrt.backends import _rdmawire as wire
 # Each connection is a thread and, once attached, a queue pair: a bound, so that a
 # flood of connections runs into a refusal rather than the process's limits.
 MAX_CONNECTIONS = 1024
+FIRST_MESSAGE_S = 30.0
 
 
 @dataclass
@@ -143,7 +144,7 @@ class Server:
                     pass
                 conn.close()
                 continue
-            conn.settimeout(None)
+            conn.settimeout(FIRST_MESSAGE_S)  # a connection that says nothing frees its slot
             _keepalive(conn)
             threading.Thread(target=self._client, args=(conn, f"{peer[0]}:{peer[1]}"),
                              name="cxlrt-serve-client", daemon=True).start()
@@ -164,6 +165,7 @@ class Server:
                 if isinstance(reply, Attachment):
                     att = reply
                     reply = self._attach_reply(att, msg)
+                    conn.settimeout(None)  # attached: silence is its liveness from now on
                 if "seq" in msg:
                     reply["seq"] = msg["seq"]
                 wire.send(conn, reply)

@@ -25,7 +25,8 @@ typedef struct {
     int gid_index;
     union ibv_gid gid;
     enum ibv_mtu mtu;
-    int rd_atom;    /* READs in flight per QP, as the device allows (at most 16) */
+    int rd_atom;    /* READs a QP of ours serves in flight (responder; at most 16) */
+    int init_rd_atom; /* READs a QP of ours issues in flight (requester; at most 16) */
 } cxv_dev;
 
 typedef struct {
@@ -122,10 +123,13 @@ static int cxv_open(cxv_dev* d, const char* name, int port, int gid_index, char*
     d->gid_index = gid_index;
     {
         struct ibv_device_attr da;
-        d->rd_atom = 16;
-        if (ibv_query_device(d->ctx, &da) == 0 && da.max_qp_rd_atom > 0 &&
-            da.max_qp_rd_atom < d->rd_atom)
-            d->rd_atom = da.max_qp_rd_atom;
+        d->rd_atom = d->init_rd_atom = 16;
+        if (ibv_query_device(d->ctx, &da) == 0) {
+            if (da.max_qp_rd_atom > 0 && da.max_qp_rd_atom < d->rd_atom)
+                d->rd_atom = da.max_qp_rd_atom;
+            if (da.max_qp_init_rd_atom > 0 && da.max_qp_init_rd_atom < d->init_rd_atom)
+                d->init_rd_atom = da.max_qp_init_rd_atom;
+        }
     }
     d->pd = ibv_alloc_pd(d->ctx);
     if (d->pd == NULL) {
@@ -221,7 +225,8 @@ static int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
     a.retry_cnt = (uint8_t)retry;
     a.rnr_retry = (uint8_t)retry;
     a.sq_psn = q->psn;
-    a.max_rd_atomic = (uint8_t)(rd_atom > 0 && rd_atom < d->rd_atom ? rd_atom : d->rd_atom);
+    a.max_rd_atomic = (uint8_t)(rd_atom > 0 && rd_atom < d->init_rd_atom ? rd_atom
+                                                                       : d->init_rd_atom);
     if (ibv_modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                       IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) != 0)
         return -errno;

@@ -120,7 +120,6 @@ def test_node_beyond_new_region_removes_the_half_made_file(region_dir, scheme):
 
 @pytest.mark.parametrize("spec,msg", [
     ("nvme:/dev/shm/x", "unknown region scheme 'nvme'"),
-    ("rdma:host:7471", "remote CXL hybrid-memory node"),
     ("no-colon-here", "expected SCHEME:PATH"),
     ("file:", "path after 'file:' is empty"),
     ("emu:/dev/shm/x?bogus=1", "unknown parameter.*bogus"),

@@ -156,7 +156,7 @@ def test_rdma_server_on_cxl_memory_in_a_guest(cxl, served):
     _have_rdma_module()
     out = _rdma_run(cxl, lambda serve: (
         f"S=$({serve} {served} cxl 7471 64M) && {sys.executable} tests/lab/rdma_clients.py "
-        "$S 3 30 && cat /tmp/cxlrt-serve-cxl.log"))
+        "$S 3 10 && cat /tmp/cxlrt-serve-cxl.log"))
     assert "rdma clients: 3 passed" in out
     assert f"-> {served}" in out
 

@@ -100,6 +100,14 @@ def test_a_silent_server_times_out():
         srv.close()
 
 
+def test_an_rdma_spec_without_a_region_name_says_what_is_expected():
+    # Where rdma: is not built, the same open says what to install instead.
+    built = "rdma" in registry.available()
+    exc, msg = (ValueError, r"rdma:HOST:PORT/NAME") if built else (ImportError, "libibverbs")
+    with pytest.raises(exc, match=msg):
+        cxlrt.open("rdma:host:7471", node=0)
+
+
 def test_rdma_is_a_known_scheme_with_an_install_hint():
     assert "rdma" in registry.known
     assert "libibverbs-dev" in registry.known["rdma"].hint

@@ -84,6 +84,15 @@ class Server:
         from cxlrt.backends import rdma
         self.log = log or (lambda msg: print(f"cxlrt serve: {msg}", file=sys.stderr,
                                              flush=True))
+        # The user's specs first: a wrong path or spec is told as such, not hidden
+        # behind a missing RDMA device.
+        resolved = []
+        for name, spec in regions.items():
+            s, cls, params, fs = api._resolve(spec)
+            if s.scheme == "rdma":
+                raise ValueError(f"{spec}: serve a local region, not an rdma: one")
+            resolved.append((name, s, cls, params, api._medium_size(fs, str(s),
+                                                                    scheme=s.scheme)))
         self.device = rdma.Device(dev, ib_port, gid)
         self.regions: dict[str, Served] = {}
         self.attached: dict[int, Attachment] = {}
@@ -92,13 +101,7 @@ class Server:
         self.conns: set[socket.socket] = set()
         self.epoch = int.from_bytes(os.urandom(8), "little")
         try:
-            for name, spec in regions.items():
-                if name in self.regions:
-                    raise ValueError(f"two regions are named {name!r}: name them NAME=SPEC")
-                s, cls, params, fs = api._resolve(spec)
-                if s.scheme == "rdma":
-                    raise ValueError(f"{spec}: serve a local region, not an rdma: one")
-                size = api._medium_size(fs, str(s), scheme=s.scheme)
+            for name, s, cls, params, size in resolved:
                 backend = cls(s.path, params, 0, size)
                 try:
                     addr = rdma.mapped_address(backend)

@@ -157,7 +157,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cxlrt import registry
     registry.get("rdma")  # ImportError with what to install, where it is not built
     parse, make = registry.hook("rdma", "parse_region_arg"), registry.hook("rdma", "server")
-    regions = dict(parse(r) for r in args.regions)
+    pairs = [parse(r) for r in args.regions]
+    regions = dict(pairs)
+    if len(regions) != len(pairs):
+        raise ValueError("two regions have one name: name them NAME=SPEC")
     server = make(regions, args.listen, dev=args.dev, ib_port=args.ib_port, gid=args.gid)
     stopped = threading.Event()
 

@@ -159,3 +159,15 @@ def test_region_names_come_from_the_medium_or_are_given():
     assert parse_region_arg("file:/dev/shm/rack0") == ("rack0", "file:/dev/shm/rack0")
     assert parse_region_arg("kv=dax:/dev/dax0.0") == ("kv", "dax:/dev/dax0.0")
     assert parse_region_arg("dax:/dev/dax0.0?sync=auto") == ("dax0.0", "dax:/dev/dax0.0?sync=auto")
+
+
+@rdma_built
+@pytest.mark.parametrize("args,msg", [
+    (["file:/nonexistent-dir/x"], "no region at"),
+    (["nvme:/dev/x"], "unknown region scheme"),
+    (["rdma:h:1/x"], "serve a local region"),
+    (["a=file:/x", "a=file:/y"], "two regions have one name"),
+])
+def test_serve_tells_a_bad_region_before_anything_else(args, msg, capsys):
+    assert cli(["serve", *args, "--listen", "127.0.0.1:0"]) == 2
+    assert msg in capsys.readouterr().err

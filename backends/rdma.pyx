@@ -283,7 +283,7 @@ cdef int rdma_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) no
 cdef cxl_ops RDMA_OPS = cxl_ops(
     load=rdma_load, store=rdma_store, load64=rdma_load64, store64=rdma_store64,
     flush=rdma_flush, flush_nodrain=rdma_flush, fence=rdma_fence,
-    dma_read=rdma_dma_read, dma_write=rdma_dma_write)
+    dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=NULL)
 
 
 PARAMS = {

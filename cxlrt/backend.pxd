@@ -20,7 +20,7 @@ from cxlrt.includes.intrin cimport (cxl_fence_full, cxl_fence_release, cxl_fence
 from libc.string cimport memcpy
 
 from cxlrt.mapping cimport Mapping
-from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_RANGE
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_RANGE, CXLRT_E_UNSUPPORTED
 
 
 cdef enum:
@@ -44,6 +44,7 @@ ctypedef int (*cxl_flush_fn)(void* ctx, uint64_t off, uint64_t n) noexcept nogil
 ctypedef int (*cxl_fence_fn)(void* ctx) noexcept nogil
 ctypedef int (*cxl_dma_read_fn)(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
 ctypedef int (*cxl_dma_write_fn)(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil
+ctypedef int (*cxl_hint_fn)(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil
 
 
 ctypedef struct cxl_ops:
@@ -56,6 +57,18 @@ ctypedef struct cxl_ops:
     cxl_fence_fn fence          # pre: none; orders all earlier accesses and drains flushes
     cxl_dma_read_fn dma_read    # pre: range checked; reads the medium, bypassing views
     cxl_dma_write_fn dma_write  # pre: range checked; writes the medium, bypassing views
+    cxl_hint_fn hint            # optional (NULL: none): advice to a device, see CXL_HINT_*
+
+
+# Hints: advice a device may act on; never needed for correctness (a backend without
+# the slot, or one that ignores a hint, is right, only slower).
+cdef enum:
+    CXL_HINT_ADMIT = 1    # (bytes, runs): may `bytes` of DMA writes in `runs` pieces go to
+    #                       the device's write buffer now? 0 yes, CXL_HINT_REFUSED no. The
+    #                       room is not reserved: a write that finds it gone by then goes
+    #                       through to the capacity tier (correct, only slower)
+    CXL_HINT_DRAIN = 2    # (0, 0): write the write buffer back to the capacity tier now
+    CXL_HINT_REFUSED = 1  # a hint's positive "no" (not an error)
 
 
 ctypedef struct cxl_region:
@@ -183,6 +196,16 @@ cdef inline int cxl_fence(const cxl_region* r) noexcept nogil:
         cxl_fence_full()
         return 0
     return r.ops.fence(r.ctx)
+
+
+cdef inline int cxl_hint(const cxl_region* r, int kind, uint64_t a, uint64_t b) noexcept nogil:
+    """Give the device a hint (CXL_HINT_*): its answer, or CXLRT_E_UNSUPPORTED where the
+    backend takes none."""
+    if unlikely(r.closed):
+        return CXLRT_E_CLOSED
+    if r.ops.hint == NULL:
+        return CXLRT_E_UNSUPPORTED
+    return r.ops.hint(r.ctx, kind, a, b)
 
 
 cdef inline int cxl_persist(const cxl_region* r, uint64_t off, uint64_t n) noexcept nogil:

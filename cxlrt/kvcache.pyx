@@ -753,6 +753,24 @@ cdef class KVCache:
                 f"{len(stored)} blocks were stored.", stored, [ks[j] for j in lost])
         return stored
 
+    def admit(self, keys, blocks):
+        """Store `blocks` under `keys` if the device's write buffer has room for them
+        now (HyMCache's write isolation): True when admitted, and then stored as
+        store() stores; False when the buffer is full, with nothing stored and nothing
+        waited for, so the request goes on without this store. New KV is a cache's to
+        skip: a store that stalled behind the capacity tier would slow the reads that
+        serve hits. Where the backend has no write buffer this is store(), and True.
+
+        Raises ValueError when the blocks are more than the whole buffer could take.
+        """
+        self._need_open()
+        cdef list ks = _keys(keys)
+        if ks and not self.region.admit(len(ks) * (self.block_bytes + KV_PAYLOAD_HDR),
+                                        len(ks)):
+            return False
+        self.store(ks, blocks)
+        return True
+
     cdef void _count_evictions(self) noexcept:
         """Move the writer's evictions into our pending counters."""
         cdef uint64_t* pend = self._pending()  # first: in a forked child it drops both

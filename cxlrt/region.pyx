@@ -13,8 +13,9 @@ import weakref
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t
 
-from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, Backend, cxl_check_range,
-                            cxl_dma_read, cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain,
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_HINT_ADMIT, CXL_HINT_DRAIN,
+                            CXL_HINT_REFUSED, Backend, cxl_check_range, cxl_dma_read,
+                            cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_hint,
                             cxl_load, cxl_load64, cxl_persist, cxl_store, cxl_store64)
 from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_IO, CXLRT_E_RANGE,
                            CXLRT_E_UNSUPPORTED, check_rc)
@@ -457,6 +458,46 @@ cdef class Region:
         finally:
             self._busy -= 1
         self._rc(rc, "dma_write", off, n)
+
+    # --- the device's write buffer (HyMCache's write isolation) -----------------
+
+    def admit(self, uint64_t nbytes, uint64_t pieces=1):
+        """Whether `nbytes` of DMA writes in `pieces` pieces may go to the device's
+        write buffer now: its answer to HyMCache's admission question. False means the
+        buffer is full (reads have kept the capacity tier busy): skip the store rather
+        than stall on that tier. True where the backend has no write buffer, since
+        every write then goes to its tier at once. Advisory: the room is not reserved;
+        a write that finds it gone goes through to the capacity tier, correct but slower.
+        Raises ValueError for a size the buffer could never take."""
+        cdef int rc
+        if pieces == 0:
+            raise ValueError("pieces must be at least 1")
+        self._busy += 1
+        try:
+            with nogil:
+                rc = cxl_hint(self.r, CXL_HINT_ADMIT, nbytes, pieces)
+        finally:
+            self._busy -= 1
+        if rc == CXLRT_E_UNSUPPORTED:
+            return True
+        if rc == CXLRT_E_RANGE:
+            raise ValueError(f"{self.spec}: {nbytes} bytes in {pieces} pieces are more than "
+                             "the device's whole write buffer (wbuf=) could ever take")
+        self._rc(rc, "admit", 0, 0)
+        return rc != CXL_HINT_REFUSED
+
+    def drain(self):
+        """Write the device's write buffer back to its capacity tier now, and wait for
+        it (nothing to do where the backend has none)."""
+        cdef int rc
+        self._busy += 1
+        try:
+            with nogil:
+                rc = cxl_hint(self.r, CXL_HINT_DRAIN, 0, 0)
+        finally:
+            self._busy -= 1
+        if rc != CXLRT_E_UNSUPPORTED:
+            self._rc(rc, "drain", 0, 0)
 
     def register_cuda(self):
         """Page-lock the mapping for CUDA (cudaHostRegister, in pieces of at most

@@ -8,6 +8,10 @@
 #  - Every access takes the device lock (robust, timed): the controller's tables
 #    change only under it, in an order _repair() can finish after a holder dies.
 #  - A frame entry is 0 (free) or (page + 1) << 8 | CHM_F_* flags.
+#  - Under staging with wbuf=, the last frames are a write buffer that only DMA writes
+#    of pages not in DRAM fill; the clock never evicts them. A dirty buffer frame
+#    leaves DRAM only after its write-back, so nothing buffered is lost while the
+#    sidecar persists. wb_dirty counts them (under the lock; _repair recounts).
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport Backend
@@ -38,7 +42,11 @@ cdef enum:
     CHM_ST_DRAM_BYTES = 7     # bytes copied to or from frames
     CHM_ST_BUSY_NS = 8        # modelled SSD time
     CHM_ST_REPAIRS = 9        # device locks taken over from a dead holder
-    CHM_NSTATS = 10
+    CHM_ST_BUFFERED = 10      # pages a DMA write put in the write buffer
+    CHM_ST_FLUSHES = 11       # write-buffer batches written back to the SSD
+    CHM_ST_ADMITS = 12        # CXL_HINT_ADMIT answered yes
+    CHM_ST_REFUSALS = 13      # CXL_HINT_ADMIT answered no (the buffer was full)
+    CHM_NSTATS = 14
 
 
 cdef enum:
@@ -60,9 +68,15 @@ ctypedef struct chm_hdr:
     uint64_t lat_ns           # the SSD model, device-wide (chmside.HEADER)
     double bw
     double wbw
+    uint64_t wb_frames        # the last wb_frames frames are the write buffer (staging)
+    uint64_t wb_idle_ns       # the SSD idle this long: the write buffer may flush
     # the controller's state, under the device lock
     uint64_t ssd_free_ns      # when the modelled SSD finishes the work queued so far
-    uint64_t hand             # clock hand over the frames
+    uint64_t hand             # clock hand over the cache frames
+    uint64_t wb_hand          # where the next look for a write-buffer frame starts
+    uint64_t wb_dirty         # write-buffer frames newer than the SSD (repair recounts)
+    uint64_t bg_free_ns       # when the SSD finishes the flushes queued so far (background)
+    uint64_t bg_pages         # pages in those flushes: not yet free for new writes
     uint64_t st[CHM_NSTATS]
 
 
@@ -72,6 +86,10 @@ ctypedef struct chm_ctx:
     # close retires to zeros under a thread still inside an access.
     uint64_t page
     uint64_t frames
+    uint64_t cpu_frames       # frames [0, cpu_frames) are the cache the clock runs over
+    uint64_t wb_frames        # frames [cpu_frames, frames) are the write buffer
+    uint64_t wb_idle_ns
+    uint64_t bg_grain_ns      # one page's write: how long a read waits for a flush
     uint64_t pages
     uint64_t region_size
     uint32_t policy

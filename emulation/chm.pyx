@@ -12,6 +12,12 @@ device, as hosts on a CXL switch do. Two policies (``policy=``):
            to the SSD as one sequential request, never filling DRAM; the runtime's
            StagingWindow stages objects ahead of use instead. CPU loads and stores
            (the runtime's metadata) still go through DRAM as under lru.
+           With ``wbuf=``, that much DRAM is a write buffer: a DMA write of a page not
+           in DRAM lands there (at DRAM speed) while a frame is free, else it goes
+           through to the SSD. The buffer flushes in batches only once the SSD has
+           been idle for ``wbidle`` ns, so reads never queue behind more than one
+           batch; the runtime asks before it writes (CXL_HINT_ADMIT, Region.admit,
+           KVCache.admit) and skips a store the buffer has no room for.
 
 SSD time is modelled (``lat``, ``bw``, ``wbw``) on one device-wide timeline: work
 queued by any process delays every later request, as on one SSD. The device
@@ -28,13 +34,15 @@ from libc.string cimport memcpy
 from posix.time cimport nanosleep, timespec
 from posix.unistd cimport close, pread, pwrite
 
-from cxlrt.backend cimport CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, cxl_ops
+from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
+                            CXL_HINT_ADMIT, CXL_HINT_DRAIN, CXL_HINT_REFUSED, cxl_ops)
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_acquire32,
                                     cxl_atomic_load_relaxed64, cxl_fence_full, cxl_now_ns,
                                     cxl_spin_ns, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_unlock,
                                    pthread_mutex_t)
-from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO
+from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_IO, CXLRT_E_NOMEM, CXLRT_E_RANGE,
+                           CXLRT_E_UNSUPPORTED)
 
 import os
 
@@ -46,6 +54,10 @@ LOCK_TIMEOUT_S = 30.0
 
 cdef enum:
     CHM_MAX_QUEUE_NS = 10000000000  # queued SSD time past this is a scribble, not work
+    # The write buffer flushes only once the SSD has had no request for wbidle= ns (reads
+    # idle), in batches of this many bytes: a read that comes meanwhile queues behind
+    # one batch at most.
+    CHM_WB_BATCH = 1 << 20
 
 # --- the SSD --------------------------------------------------------------------
 
@@ -113,9 +125,9 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
     or still mapped. The frame number, or CXLRT_E_IO."""
     cdef uint64_t i, f, w, pg
     cdef int rc
-    for i in range(2 * c.frames + 1):
-        f = c.h.hand % c.frames  # shared: never trusted as an index
-        c.h.hand = (f + 1) % c.frames
+    for i in range(2 * c.cpu_frames + 1):
+        f = c.h.hand % c.cpu_frames  # shared: never trusted as an index
+        c.h.hand = (f + 1) % c.cpu_frames
         w = c.ftab[f]
         if w == 0:
             return <long>f
@@ -160,6 +172,114 @@ cdef inline void _publish(chm_ctx* c, uint64_t f, uint64_t pg, bint dirty) noexc
     the page is its frame's only when both agree."""
     c.pmap[pg] = <uint32_t>(f + 1)
     c.ftab[f] = ((pg + 1) << 8) | CHM_F_VALID | CHM_F_REF | (CHM_F_DIRTY if dirty else 0)
+    if dirty and f >= c.cpu_frames:
+        c.h.wb_dirty += 1
+
+
+cdef inline void _dirty_hit(chm_ctx* c, uint64_t f) noexcept nogil:
+    """Mark a mapped frame referenced and dirty (before the caller's copy into it)."""
+    if f >= c.cpu_frames and not (c.ftab[f] & CHM_F_DIRTY):
+        c.h.wb_dirty += 1
+    c.ftab[f] |= CHM_F_REF | CHM_F_DIRTY
+
+
+# --- the write buffer (staging with wbuf=) --------------------------------------------
+
+cdef long _wb_take(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept nogil:
+    """A write-buffer frame for page pg, FILL and unmapped as _fill leaves one (read
+    from the SSD first when the write covers only part of the page); or CXLRT_E_NOMEM
+    when every buffer frame holds a page not yet written back. A clean frame is reused:
+    its page's bytes are on the SSD."""
+    cdef uint64_t i, f, w, q
+    cdef int rc
+    for i in range(c.wb_frames):
+        f = c.cpu_frames + (c.h.wb_hand + i) % c.wb_frames  # shared: never trusted
+        w = c.ftab[f]
+        if w & CHM_F_DIRTY:
+            continue
+        if w != 0:
+            q = (w >> 8) - 1
+            if q < c.pages and c.pmap[q] == f + 1:
+                c.pmap[q] = 0
+        c.h.wb_hand = (f - c.cpu_frames + 1) % c.wb_frames
+        c.ftab[f] = ((pg + 1) << 8) | CHM_F_FILL
+        if read:
+            rc = _ssd_page(c, f, pg, False, cost)
+            if rc != 0:
+                c.ftab[f] = 0
+                return rc
+            c.h.st[CHM_ST_FILLS] += 1
+        return <long>f
+    return CXLRT_E_NOMEM
+
+
+cdef long _wb_flush(chm_ctx* c, uint64_t most, uint64_t* cost) noexcept nogil:
+    """Write up to `most` dirty buffer frames back as one batched SSD request (one
+    latency: the device orders and merges them). They stay mapped and clean, so a read
+    still hits them, and free for the next buffered write. How many, or CXLRT_E_IO."""
+    cdef uint64_t f, w, pg, n = 0, nbytes = 0, k
+    cdef int rc
+    for f in range(c.cpu_frames, c.frames):
+        if n >= most:
+            break
+        w = c.ftab[f]
+        pg = (w >> 8) - 1
+        if not (w & CHM_F_VALID) or not (w & CHM_F_DIRTY) or pg >= c.pages:
+            continue
+        k = _page_len(c, pg)
+        rc = _ssd_io(c, c.dram + f * c.page, k, pg * c.page, True)
+        if rc != 0:
+            return rc
+        c.ftab[f] = w & ~(<uint64_t>CHM_F_DIRTY)  # only once the SSD has it
+        if c.h.wb_dirty:
+            c.h.wb_dirty -= 1
+        n += 1
+        nbytes += k
+    if n:
+        cost[0] += _ssd_cost(c, nbytes, True)
+        c.h.st[CHM_ST_SSD_WRITE_BYTES] += nbytes
+        c.h.st[CHM_ST_WRITEBACKS] += n
+        c.h.st[CHM_ST_FLUSHES] += 1
+    return <long>n
+
+
+cdef void _wb_recount(chm_ctx* c) noexcept nogil:
+    cdef uint64_t f, n = 0
+    for f in range(c.cpu_frames, c.frames):
+        if (c.ftab[f] & CHM_F_VALID) and (c.ftab[f] & CHM_F_DIRTY):
+            n += 1
+    c.h.wb_dirty = n
+
+
+cdef inline bint _ssd_idle(chm_ctx* c, uint64_t now) noexcept nogil:
+    """No request on the SSD for wbidle= ns (reads are idle) and no flush in progress:
+    the buffer may flush its next batch."""
+    cdef uint64_t fg = c.h.ssd_free_ns, bg = c.h.bg_free_ns
+    if c.wb_idle_ns > now:  # wbidle=never, or longer than the clock has run
+        return False
+    if fg > now + CHM_MAX_QUEUE_NS:  # a scribble: no real queue
+        fg = 0
+    return fg + c.wb_idle_ns <= now and (bg <= now or bg > now + CHM_MAX_QUEUE_NS)
+
+
+cdef inline uint64_t _wb_room(chm_ctx* c, uint64_t now) noexcept nogil:
+    """Buffer frames a write may take: not dirty, and not in a flush still running."""
+    cdef uint64_t busy = c.h.wb_dirty + (c.h.bg_pages if c.h.bg_free_ns > now else 0)
+    return c.wb_frames - min(busy, c.wb_frames)
+
+
+cdef int _wb_idle_flush(chm_ctx* c, uint64_t now) noexcept nogil:
+    """One batch of the write buffer, if it holds any and reads are idle, queued in
+    the background (_charge_bg): requests that come meanwhile go first."""
+    cdef uint64_t cost = 0
+    cdef long n
+    if c.wb_frames == 0 or c.h.wb_dirty == 0 or not _ssd_idle(c, now):
+        return 0
+    n = _wb_flush(c, max(<uint64_t>1, <uint64_t>CHM_WB_BATCH // c.page), &cost)
+    if n < 0:
+        return <int>n
+    _charge_bg(c, now, cost, <uint64_t>n)
+    return 0
 
 
 cdef void _repair(chm_ctx* c) noexcept nogil:
@@ -183,6 +303,7 @@ cdef void _repair(chm_ctx* c) noexcept nogil:
     for pg in range(c.pages):
         if c.pmap[pg] != 0 and _frame_of(c, pg) < 0:
             c.pmap[pg] = 0
+    _wb_recount(c)
     c.h.st[CHM_ST_REPAIRS] += 1
     _charge(c, cxl_now_ns(), cost)
 
@@ -195,19 +316,40 @@ cdef int _lock(chm_ctx* c) noexcept nogil:
     return CXLRT_E_IO if rc < 0 else 0
 
 
+cdef inline uint64_t _sane(uint64_t t, uint64_t t0) noexcept nogil:
+    """A time from shared memory: before t0, or past any real queue (a scribble), is t0."""
+    return t0 if t < t0 or t > t0 + CHM_MAX_QUEUE_NS else t
+
+
 cdef uint64_t _charge(chm_ctx* c, uint64_t t0, uint64_t cost) noexcept nogil:
-    """Queue `cost` of SSD time from t0 on the device's one timeline (lock held); when
-    it ends, or 0 for no cost."""
-    cdef uint64_t end
+    """Queue a request's `cost` of SSD time from t0 on the device's one timeline (lock
+    held); when it ends, or 0 for no cost. Reads and writes take their turn in order;
+    write-buffer flushes (_charge_bg) only yield: a request that finds one in progress
+    waits for the page being written, and pushes the rest of the flush back."""
+    cdef uint64_t end, bg
     if cost == 0:
         return 0
-    end = c.h.ssd_free_ns
-    if end < t0 or end > t0 + CHM_MAX_QUEUE_NS:  # shared: a wild value never hangs us
-        end = t0
+    end = _sane(c.h.ssd_free_ns, t0)
+    bg = c.h.bg_free_ns
+    if bg > end and bg <= t0 + CHM_MAX_QUEUE_NS:
+        end += min(bg - end, c.bg_grain_ns)
+        c.h.bg_free_ns = bg + cost
     end += cost
     c.h.ssd_free_ns = end
     c.h.st[CHM_ST_BUSY_NS] += cost
     return end
+
+
+cdef void _charge_bg(chm_ctx* c, uint64_t t0, uint64_t cost, uint64_t pages) noexcept nogil:
+    """Queue a flush of `pages` after all the work queued so far; its pages count as
+    taken in the buffer until it ends."""
+    cdef uint64_t start
+    if cost == 0:
+        return
+    start = max(_sane(c.h.ssd_free_ns, t0), _sane(c.h.bg_free_ns, t0))
+    c.h.bg_pages = (c.h.bg_pages if c.h.bg_free_ns > t0 else 0) + pages
+    c.h.bg_free_ns = start + cost
+    c.h.st[CHM_ST_BUSY_NS] += cost
 
 
 cdef void _wait_until(uint64_t end) noexcept nogil:
@@ -252,21 +394,39 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
 cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                     bint dma) noexcept nogil:
     """Move n bytes between buf and the device at off through the policy; then wait
-    for the SSD time this request queued."""
+    for the SSD time this request queued (not for a write-buffer batch it started)."""
     cdef uint64_t cost = 0, pg, a, k, run, q, end = 0, t0
     cdef long f
+    cdef bint buffered
     cdef int rc = _lock(c)
     if rc != 0:
         return rc
     # The model's clock starts when the device takes the request: the real copies
     # below are part of the modelled time, not added to it.
     t0 = cxl_now_ns()
-    while n:
+    if write:
+        rc = _wb_idle_flush(c, t0)
+    while n and rc == 0:
         pg = off // c.page
         a = off - pg * c.page
         k = min(n, _page_len(c, pg) - a)
         f = _frame_of(c, pg)
-        if f < 0 and dma and c.policy == CHM_STAGING:
+        buffered = False
+        if f < 0 and dma and write and c.wb_frames:
+            f = _wb_take(c, pg, not (a == 0 and k == _page_len(c, pg)), &cost)
+            if f >= 0:
+                memcpy(c.dram + f * c.page + a, buf, k)
+                _publish(c, <uint64_t>f, pg, True)
+                c.h.st[CHM_ST_BUFFERED] += 1
+                c.h.st[CHM_ST_DRAM_BYTES] += k
+                buffered = True
+            elif f != CXLRT_E_NOMEM:
+                rc = <int>f
+                break
+            # else the buffer is full: this page goes through to the SSD below
+        if buffered:
+            pass
+        elif f < 0 and dma and c.policy == CHM_STAGING:
             # One sequential request for the whole run of pages not in DRAM.
             run = k
             q = pg + 1
@@ -296,7 +456,7 @@ cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
             if write:
                 # Dirty before the copy: a holder killed mid-copy leaves a torn store
                 # that is written back, never one that shows and then vanishes.
-                c.ftab[f] |= CHM_F_REF | CHM_F_DIRTY
+                _dirty_hit(c, <uint64_t>f)
                 memcpy(c.dram + f * c.page + a, buf, k)
             else:
                 c.ftab[f] |= CHM_F_REF
@@ -347,12 +507,60 @@ cdef int chm_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noe
     return _access(<chm_ctx*>ctx, off, <char*>src, n, True, True)
 
 
+cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
+    """ADMIT: room for `a` bytes in `b` pieces among the buffer frames not awaiting
+    write-back (after one idle flush batch)? DRAIN: write the whole buffer back, and
+    wait for it, as a write of those bytes would."""
+    cdef uint64_t cost = 0, need, end, t0
+    cdef long n
+    cdef int rc = _lock(c)
+    if rc != 0:
+        return rc
+    t0 = cxl_now_ns()
+    if kind == CXL_HINT_ADMIT:
+        need = a // c.page + 1 + b  # each piece may straddle one page more
+        if need > c.wb_frames:
+            rc = CXLRT_E_RANGE  # could never be admitted: the caller's error, not a "no"
+        else:
+            rc = _wb_idle_flush(c, t0)
+            if rc == 0 and need <= _wb_room(c, t0):
+                c.h.st[CHM_ST_ADMITS] += 1
+            elif rc == 0:
+                c.h.st[CHM_ST_REFUSALS] += 1
+                rc = CXL_HINT_REFUSED
+    else:
+        n = _wb_flush(c, c.wb_frames, &cost)
+        rc = <int>n if n < 0 else 0
+    end = _charge(c, t0, cost)
+    cxl_mutex_unlock(c.lock)
+    if end:
+        _wait_until(end)
+    return rc
+
+
+cdef int chm_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
+    cdef chm_ctx* c = <chm_ctx*>ctx
+    cdef int rc
+    if (kind != CXL_HINT_ADMIT and kind != CXL_HINT_DRAIN) or c.wb_frames == 0:
+        return CXLRT_E_UNSUPPORTED  # no write buffer: every write goes to its tier at once
+    cxl_atomic_add_relaxed64(&c.inflight, 1)
+    cxl_fence_full()  # as _access: close() waits for us
+    if unlikely(cxl_atomic_load_acquire32(c.closed) != 0):
+        rc = CXLRT_E_CLOSED
+    else:
+        rc = _hint_in(c, kind, a, b)
+    cxl_atomic_add_relaxed64(&c.inflight, <uint64_t>-1)
+    return rc
+
+
 cdef cxl_ops CHM_OPS = cxl_ops(
     load=chm_load, store=chm_store, load64=chm_load64, store64=chm_store64, flush=chm_flush,
-    flush_nodrain=chm_flush, fence=chm_fence, dma_read=chm_dma_read, dma_write=chm_dma_write)
+    flush_nodrain=chm_flush, fence=chm_fence, dma_read=chm_dma_read, dma_write=chm_dma_write,
+    hint=chm_hint)
 
 _STATS = ("hits", "fills", "writebacks", "direct_reads", "direct_writes", "ssd_read_bytes",
-          "ssd_write_bytes", "dram_bytes", "busy_ns", "repairs")
+          "ssd_write_bytes", "dram_bytes", "busy_ns", "repairs", "buffered", "flushes",
+          "admits", "refusals")
 assert len(_STATS) == CHM_NSTATS
 
 PARAMS = _side.PARAMS
@@ -393,6 +601,9 @@ cdef class ChmBackend(Backend):
         self.c.dram = side + <size_t>geo["data"]
         self.c.page = geo["page"]
         self.c.frames = geo["frames"]
+        self.c.wb_frames = geo["wb_frames"]
+        self.c.wb_idle_ns = params["wbidle"]
+        self.c.cpu_frames = geo["frames"] - geo["wb_frames"]
         self.c.pages = geo["pages"]
         self.c.region_size = size
         self.c.policy = CHM_STAGING if params["policy"] == "staging" else CHM_LRU
@@ -400,6 +611,8 @@ cdef class ChmBackend(Backend):
         self.c.lat_ns = params["lat"]
         self.c.read_bpns = params["bw"]
         self.c.write_bpns = params["wbw"] or params["bw"]
+        self.c.bg_grain_ns = <uint64_t>(geo["page"] / self.c.write_bpns
+                                        if self.c.write_bpns > 0 else 0)
         self.c.lock_timeout_ns = <uint64_t>(LOCK_TIMEOUT_S * 1e9)
         self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
                          &self.c, &CHM_OPS)
@@ -445,6 +658,12 @@ cdef class ChmBackend(Backend):
                 d += (self.c.ftab[f] & CHM_F_DIRTY) != 0
         return n, d
 
+    def write_buffer(self):
+        """The write buffer's frames and how many of them await write-back: (frames,
+        dirty); (0, 0) without one."""
+        self.region()
+        return self.c.wb_frames, self.c.h.wb_dirty
+
     def writeback(self, bint drop=False):
         """Write every dirty page back to the SSD (and with ``drop``, empty the DRAM,
         as a device power cycle that persists does); the number written back."""
@@ -470,6 +689,7 @@ cdef class ChmBackend(Backend):
                         if pg < self.c.pages and self.c.pmap[pg] == f + 1:
                             self.c.pmap[pg] = 0
                         self.c.ftab[f] = 0
+                _wb_recount(&self.c)
                 end = _charge(&self.c, cxl_now_ns(), cost)
                 cxl_mutex_unlock(self.c.lock)
             cxl_atomic_add_relaxed64(&self.c.inflight, <uint64_t>-1)

@@ -20,9 +20,9 @@ from cxlrt.shm import init_robust_mutexes
 from cxlrt.spec import parse_float_range, parse_int_range, parse_size
 
 MAGIC = int.from_bytes(b"CXLCHM01", "little")
-VERSION = 1
-HEADER = struct.Struct("<QIIQQQQQQQdd")  # magic, version, policy, page, frames, pages,
-#                                          region_size, dev, ino, lat, bw, wbw
+VERSION = 2
+HEADER = struct.Struct("<QIIQQQQQQQddQQ")  # magic, version, policy, page, frames, pages,
+#                                   region_size, dev, ino, lat, bw, wbw, wb_frames, wb_idle
 HEADER_BYTES = 4096
 LOCK_OFFSET = 1024
 POLICIES = ("lru", "staging")
@@ -44,6 +44,20 @@ def _page(text: str) -> int:
     return n
 
 
+WB_NEVER = 2**64 - 1
+"""wbidle=never: the write buffer flushes only when asked (Region.drain)."""
+
+
+def _idle_text(ns: int) -> str:
+    return "never" if ns == WB_NEVER else str(ns)
+
+
+def _idle(text: str) -> int:
+    if text.strip().lower() == "never":
+        return WB_NEVER
+    return parse_int_range(0, 10**12)(text)
+
+
 PARAMS = {
     "policy": (_policy, "lru",
                "lru: DRAM is a transparent page cache; staging: DMA bypasses it (HyMCache)"),
@@ -53,6 +67,9 @@ PARAMS = {
     "bw": (parse_float_range(0.0, 10**4), 0.0, "modelled SSD read bandwidth, GB/s (0 = unlimited)"),
     "wbw": (parse_float_range(0.0, 10**4), 0.0,
             "modelled SSD write bandwidth, GB/s (0 = the read bandwidth)"),
+    "wbuf": (parse_size, 0, "staging: bytes of DRAM kept as the write buffer (0 = none)"),
+    "wbidle": (_idle, 50000, "ns the SSD must have been idle (no reads) before the write "
+               "buffer flushes; never: only drain() flushes it"),
 }
 """Spec parameters of ``chm:``: name -> (parser, default, description)."""
 
@@ -68,14 +85,22 @@ def geometry(region_size: int, params: dict) -> dict[str, int]:
         raise ValueError(f"chm: dram={params['dram']} is smaller than one page ({page} bytes)")
     pages = (region_size + page - 1) // page
     frames = params["dram"] // page
+    wbuf = params.get("wbuf", 0)
+    wb_frames = (wbuf + page - 1) // page
+    if wbuf and params["policy"] != "staging":
+        raise ValueError("chm: wbuf= is the staging policy's write buffer; under "
+                         f"policy={params['policy']} every write already goes through DRAM")
+    if wb_frames >= frames:
+        raise ValueError(f"chm: wbuf={wbuf} leaves no DRAM for the cache: it must be smaller "
+                         f"than dram={params['dram']} by a page ({page} bytes) at least")
     if pages >= 2**32 - 1 or frames >= 2**31:  # u32 page map entries, int frame numbers
         raise ValueError(f"chm: {pages} pages and {frames} frames of {page} bytes are too "
                          "many; use a larger page=")
     pmap = HEADER_BYTES
     ftab = _align(pmap + 4 * pages, 64)
     data = _align(ftab + 8 * frames, max(page, MIN_PAGE))
-    return {"page": page, "pages": pages, "frames": frames, "pmap": pmap, "ftab": ftab,
-            "data": data, "total": data + frames * page}
+    return {"page": page, "pages": pages, "frames": frames, "wb_frames": wb_frames,
+            "pmap": pmap, "ftab": ftab, "data": data, "total": data + frames * page}
 
 
 def _read_header(path: str):
@@ -83,13 +108,13 @@ def _read_header(path: str):
     if head is None:
         return None
     raw, size = head
-    magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw = \
+    magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw, wb, idle = \
         HEADER.unpack(raw)
-    if magic != MAGIC or version != VERSION or policy >= len(POLICIES):
+    if magic != MAGIC or policy >= len(POLICIES):
         return None
-    return {"policy": POLICIES[policy], "page": page, "frames": frames, "pages": pages,
-            "region_size": rsize, "dev": dev, "ino": ino, "lat": lat, "bw": bw, "wbw": wbw,
-            "bytes": size}
+    return {"version": version, "policy": POLICIES[policy], "page": page, "frames": frames,
+            "pages": pages, "region_size": rsize, "dev": dev, "ino": ino, "lat": lat, "bw": bw,
+            "wbw": wbw, "wb_frames": wb, "wbidle": idle, "bytes": size}
 
 
 def _build(path: str, geo: dict, params: dict, region_size: int, dev: int, ino: int) -> str:
@@ -106,7 +131,7 @@ def _build(path: str, geo: dict, params: dict, region_size: int, dev: int, ino: 
         init_robust_mutexes(m, LOCK_OFFSET, 1, 64)
         HEADER.pack_into(m, 0, MAGIC, VERSION, POLICIES.index(params["policy"]), geo["page"],
                          geo["frames"], geo["pages"], region_size, dev, ino, params["lat"],
-                         params["bw"], params["wbw"])
+                         params["bw"], params["wbw"], geo["wb_frames"], params["wbidle"])
     finally:
         m.close()
     return tmp
@@ -132,14 +157,21 @@ def attach(region_path: str, region_size: int, params: dict) -> tuple[Mapping, d
             hdr = _read_header(side)
             if hdr is None:
                 raise RuntimeError(f"device state {side!r} vanished while being created")
-        have = (hdr["policy"], hdr["page"], hdr["frames"], hdr["lat"], hdr["bw"], hdr["wbw"])
+        if hdr["version"] != VERSION:
+            # Its DRAM may hold the only copy of data: never rebuilt behind the user's back.
+            raise ValueError(f"device state {side!r} was built by another version of cxlrt "
+                             f"(format {hdr['version']}, this one reads {VERSION}); remove it "
+                             "to start empty")
+        have = (hdr["policy"], hdr["page"], hdr["frames"], hdr["lat"], hdr["bw"], hdr["wbw"],
+                hdr["wb_frames"], hdr["wbidle"])
         want = (params["policy"], geo["page"], geo["frames"], params["lat"], params["bw"],
-                params["wbw"])
+                params["wbw"], geo["wb_frames"], params["wbidle"])
         if have != want:
             raise ValueError(
                 f"chm:{region_path}: the device was set up with policy={have[0]}, "
                 f"page={have[1]}, dram={have[1] * have[2]}, lat={have[3]}, bw={have[4]:g}, "
-                f"wbw={have[5]:g}; open it with those parameters (its DRAM may hold data not "
+                f"wbw={have[5]:g}, wbuf={have[1] * have[6]}, wbidle={_idle_text(have[7])}; "
+                "open it with those parameters (its DRAM may hold data not "
                 f"yet on the SSD, and one device has one SSD), or remove {side!r} to start "
                 "empty")
         if hdr["bytes"] != geo["total"]:

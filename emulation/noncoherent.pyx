@@ -396,7 +396,7 @@ cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:
 cdef cxl_ops EMU_OPS = cxl_ops(
     load=emu_load, store=emu_store, load64=emu_load64, store64=emu_store64, flush=emu_flush,
     flush_nodrain=emu_flush_nodrain, fence=emu_fence, dma_read=emu_dma_read,
-    dma_write=emu_dma_write)
+    dma_write=emu_dma_write, hint=NULL)
 
 
 cdef int _unbound_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -36,10 +34,9 @@ import numpy as np
 import cxlrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _chm import add_device_args, device_spec, save  # noqa: E402
+from _chm import check_request_args, device_spec, random_lists, request_parser, save, scratch  # noqa: E402
 
 MIB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def spin(seconds: float) -> None:
@@ -95,14 +92,9 @@ def run_device(root: str, policy: str, a: argparse.Namespace, lists, progress=No
 
 
 def run(a: argparse.Namespace, progress=None) -> dict:
-    rng = np.random.default_rng(a.seed + 1)
-    lists = [rng.choice(a.pool, a.per, replace=False) for _ in range(2 * a.requests)]
-    root = tempfile.mkdtemp(prefix="cxlrt-chm-random-", dir="/dev/shm")
-    os.environ["CXLRT_LOCAL_DIR"] = root  # node-local files go with it, not into /dev/shm
-    try:
+    lists = random_lists(a)
+    with scratch("chm-random") as root:
         rows = [row for p in ("staging", "lru") for row in run_device(root, p, a, lists, progress)]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     return {"params": vars(a), "rows": rows}
 
 
@@ -136,31 +128,16 @@ def plot(result: dict, path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--pool", type=int, default=64, help="KV blocks stored (64: 4x DRAM)")
-    ap.add_argument("--per", type=int, default=8, help="blocks read per request (8)")
-    ap.add_argument("--requests", type=int, default=40, help="requests per mode (40)")
+    ap, tail = request_parser(__doc__, requests=40, seed=11, png="chm_random.png")
     ap.add_argument("--compute", default="0,100,200,400",
                     help="busy microseconds per consumed block, a comma list (0,100,200,400)")
-    add_device_args(ap)
-    ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
-    ap.add_argument("--seed", type=int, default=11, help="seed of the bytes and picks (11)")
-    ap.add_argument("--json", help="also write the result here")
-    ap.add_argument("--png", default=os.path.join(HERE, "chm_random.png"),
-                    help="plot path (default perf/chm_random.png; '' for none)")
-    return ap
+    return tail()
 
 
 def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    for name in ("pool", "per", "requests", "block", "dram", "page", "window"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} must be at least 1")
-    if a.per > a.pool:
-        ap.error("--per cannot exceed --pool")
+    check_request_args(ap, a)
     try:
         a.compute = [float(c) for c in a.compute.split(",")]
     except ValueError:

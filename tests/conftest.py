@@ -123,7 +123,8 @@ def _variants(config) -> list[tuple[str, str, str, int | None]]:
     out.append(("emu", "emu", "", None))
     out.append((f"emu-faulty-seed{seed}", "emu", f"seed={seed}&{FAULTY}", seed))
     out.append(("chm-lru", "chm", f"policy=lru&{CHM_SMALL}", None))
-    out.append(("chm-staging", "chm", f"policy=staging&{CHM_SMALL}", None))
+    # staging with a write buffer of a quarter of its DRAM (flushing when reads idle)
+    out.append(("chm-staging", "chm", f"policy=staging&{CHM_SMALL}&wbuf=64K", None))
     wanted = config.getoption("--backend")
     if wanted:
         out = [v for v in out if any(v[0] == w or v[0].startswith(w + "-seed") for w in wanted)]

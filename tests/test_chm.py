@@ -8,21 +8,19 @@ recovers from a process killed inside its controller.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import cxlrt
 from cxlrt.emulation import chmside
-from cxlrt.mapping import Mapping
+
+from .chmdevice import die_inside
 
 PAGE = 4096
 
@@ -143,6 +141,8 @@ def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
     ("dram=1K", "smaller than one page"),
     ("bw=-1", "expected 0.0"),
     ("page=4K&dram=16T", "too many"),
+    ("policy=lru&wbuf=16K", "wbuf= is the staging policy's write buffer"),
+    ("policy=staging&page=4K&dram=64K&wbuf=64K", "leaves no DRAM for the cache"),
 ])
 def test_bad_parameters_are_clear_errors(region_dir, spec, match):
     with pytest.raises(ValueError, match=match):
@@ -186,23 +186,13 @@ def test_a_process_killed_inside_the_controller_is_repaired(region_dir, step):
     r.backend.writeback(drop=True)
     geo = chmside.geometry(r.size, {"page": PAGE, "dram": 64 * 1024})
     pg = off // PAGE
-    pid = os.fork()
-    if pid == 0:  # take the device lock, leave a half-filled frame naming the page
-        try:
-            m = Mapping(f"{region_dir}/r.chm", geo["total"])
-            buf = (ctypes.c_char * m.size).from_buffer(m)
-            libc = ctypes.CDLL(None)
-            if libc.pthread_mutex_lock(ctypes.byref(buf, chmside.LOCK_OFFSET)) == 0:
-                ftab = np.frombuffer(m, np.uint64, geo["frames"], geo["ftab"])
-                pmap = np.frombuffer(m, np.uint32, geo["pages"], geo["pmap"])
-                ftab[3] = (pg + 1) << 8 | flags
-                pmap[pg] = 4 if mapped else 0
-                memoryview(m)[geo["data"] + 3 * PAGE:geo["data"] + 4 * PAGE] = frame_byte * PAGE
-                os.kill(os.getpid(), signal.SIGKILL)
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status), status  # died holding the lock, as planned
+
+    def half_filled(m, ftab, pmap):  # a frame naming the page, in the state `step` leaves
+        ftab[3] = (pg + 1) << 8 | flags
+        pmap[pg] = 4 if mapped else 0
+        memoryview(m)[geo["data"] + 3 * PAGE:geo["data"] + 4 * PAGE] = frame_byte * PAGE
+
+    die_inside(f"{region_dir}/r.chm", geo, half_filled)
     assert r.dma_read(off, PAGE) == want
     assert r.backend.stats()["repairs"] == 1
     r.backend.writeback(drop=True)
@@ -294,3 +284,17 @@ def test_close_waits_out_threads_inside_the_device(region_dir, policy):
         assert a.dma_read(a.heap[0], 8) is not None  # the device lock is free
     la.release()
     a.close()
+
+
+def test_a_device_of_another_format_is_refused_not_rebuilt(region_dir):
+    # Its DRAM may hold the only copy of data: an old sidecar is never silently replaced.
+    r = _open(region_dir, "lru")
+    off = r.alloc(PAGE, align=PAGE)
+    r.dma_write(off, b"\x5a" * PAGE)
+    r.close()
+    with open(f"{region_dir}/r.chm", "r+b") as f:
+        f.seek(8)
+        f.write((chmside.VERSION - 1).to_bytes(4, "little"))
+    with pytest.raises(ValueError, match="built by another version of cxlrt"):
+        _open(region_dir, "lru", create=False)
+    assert os.path.getsize(f"{region_dir}/r.chm") > 0

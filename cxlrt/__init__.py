@@ -37,6 +37,7 @@ from cxlrt.errors import (
 from cxlrt.hashing import block_hashes
 from cxlrt.kvcache import Hit, KVCache
 from cxlrt.kvmanager import KVManager
+from cxlrt.kvpool import KVPool
 from cxlrt.region import Region
 from cxlrt.spec import parse_size, parse_spec
 from cxlrt.staging import StagingWindow
@@ -45,7 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Caps", "Channel", "ChannelBusyError", "ChannelRoleLostError", "ChecksumError", "ClaimLost",
-    "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "KVManager",
+    "CoherenceError", "CxlrtError", "Hit", "InvalidFreeError", "KVCache", "KVManager", "KVPool",
     "LayoutVersionError", "LeaseLost", "LockTimeout", "MediumError", "NoLockManager",
     "NodeClaimError", "NodeRangeError",
     "NotARegionError", "OutOfMemory", "OutOfRangeError", "Region", "RegionClosedError",

@@ -18,6 +18,8 @@ class KVCache:
     offset: int
     block_bytes: int
     capacity: int
+    @property
+    def occupancy(self) -> int: ...
     slots: int
     block_tokens: int
     algorithm: str

@@ -815,6 +815,14 @@ cdef class KVCache:
 
     # --- figures ---------------------------------------------------------------------------
 
+    @property
+    def occupancy(self):
+        """Blocks held now, by every node: one shared counter, far cheaper than stats()."""
+        self._need_open()
+        cdef kv_counters w
+        self._io(kv_get_counters(&self.K, &w), "occupancy")
+        return w.occupancy
+
     def stats(self):
         """Counters summed over nodes, plus occupancy (blocks), capacity, and the
         payloads on their way back to the allocator (quarantined, deferred)."""

@@ -57,7 +57,7 @@ cdef enum:
     # The write buffer flushes only once the SSD has had no request for wbidle= ns (reads
     # idle), in batches of this many bytes: a read that comes meanwhile queues behind
     # one batch at most.
-    CHM_WB_BATCH = 1 << 20
+    CHM_WB_BATCH = 1 << 18
 
 # --- the SSD --------------------------------------------------------------------
 

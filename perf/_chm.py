@@ -10,39 +10,51 @@ import tempfile
 from contextlib import contextmanager
 
 
-def add_device_args(ap: argparse.ArgumentParser) -> None:
-    """--block, --dram, --page, --lat, --bw and --wbw, with this machine's defaults."""
-    ap.add_argument("--block", type=int, default=1, help="KV block MiB (1)")
-    ap.add_argument("--dram", type=int, default=16, help="device DRAM MiB (16)")
+def add_device_args(ap: argparse.ArgumentParser, *, sized: bool = True) -> None:
+    """--block and --dram (unless the script sizes them), --page, --lat, --bw and --wbw,
+    with this machine's defaults."""
+    if sized:
+        ap.add_argument("--block", type=int, default=1, help="KV block MiB (1)")
+        ap.add_argument("--dram", type=int, default=16, help="device DRAM MiB (16)")
     ap.add_argument("--page", type=int, default=64, help="device page KiB (64)")
     ap.add_argument("--lat", type=int, default=20000, help="SSD latency per request, ns (20000)")
     ap.add_argument("--bw", type=float, default=4.0, help="SSD read GB/s (4)")
     ap.add_argument("--wbw", type=float, default=2.0, help="SSD write GB/s (2)")
 
 
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help is the script's docstring: first line, then the rest."""
+    return argparse.ArgumentParser(description=doc.split("\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=doc.split("\n\n", 1)[1])
+
+
+def add_output_args(ap: argparse.ArgumentParser, png: str) -> None:
+    """--json, and --png defaulting to perf/<png>."""
+    ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), png),
+                    help=f"plot path (default perf/{png}; '' for none)")
+
+
 def request_parser(doc: str, *, requests: int, seed: int, png: str):
     """(parser, tail) for a random-requests script: the parser has its --help from `doc`,
     --pool, --per and --requests; tail() adds the shared rest (the device, --window,
     --seed, --json and --png) after the script's own, and returns the parser."""
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=doc.split("\n\n", 1)[1])
+    ap = script_parser(doc)
     ap.add_argument("--pool", type=int, default=64, help="KV blocks stored (64: 4x DRAM)")
     ap.add_argument("--per", type=int, default=8, help="blocks read per request (8)")
     ap.add_argument("--requests", type=int, default=requests,
                     help=f"requests per mode ({requests})")
-    return ap, lambda: _tail(ap, seed, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    png))
 
+    def tail() -> argparse.ArgumentParser:
+        add_device_args(ap)
+        ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
+        ap.add_argument("--seed", type=int, default=seed,
+                        help=f"seed of the bytes and picks ({seed})")
+        add_output_args(ap, png)
+        return ap
 
-def _tail(ap: argparse.ArgumentParser, seed: int, png: str) -> argparse.ArgumentParser:
-    add_device_args(ap)
-    ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
-    ap.add_argument("--seed", type=int, default=seed, help=f"seed of the bytes and picks ({seed})")
-    ap.add_argument("--json", help="also write the result here")
-    ap.add_argument("--png", default=png,
-                    help=f"plot path (default perf/{os.path.basename(png)}; '' for none)")
-    return ap
+    return ap, tail
 
 
 def check_request_args(ap: argparse.ArgumentParser, a: argparse.Namespace, *more: str) -> None:
@@ -73,8 +85,8 @@ def scratch(name: str):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def device_spec(path: str, policy: str, a: argparse.Namespace) -> str:
-    return (f"chm:{path}?policy={policy}&dram={a.dram}M&page={a.page}K&lat={a.lat}"
+def device_spec(path: str, policy: str, a: argparse.Namespace, dram: str = "") -> str:
+    return (f"chm:{path}?policy={policy}&dram={dram or f'{a.dram}M'}&page={a.page}K&lat={a.lat}"
             f"&bw={a.bw}&wbw={a.wbw}")
 
 

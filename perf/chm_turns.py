@@ -35,7 +35,7 @@ import numpy as np
 import cxlrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _chm import add_device_args, device_spec, save  # noqa: E402
+from _chm import add_device_args, add_output_args, device_spec, save  # noqa: E402
 
 MIB = 1 << 20
 
@@ -154,10 +154,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=4, help="staging window, blocks (4)")
     ap.add_argument("--reps", type=int, default=3, help="reads of each prefix per turn (3)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the KV bytes (7)")
-    ap.add_argument("--json", help="also write the result here")
-    ap.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "chm_turns.png"),
-                    help="plot path (default perf/chm_turns.png; '' for none)")
+    add_output_args(ap, "chm_turns.png")
     return ap
 
 

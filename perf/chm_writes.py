@@ -8,7 +8,7 @@ without write isolation.
 A pool of KV blocks several times the device DRAM is stored once. A reader then runs
 requests as a decode node would: each looks up ``--per`` random blocks, prefetches
 them into a StagingWindow and consumes them block by block, spending ``--compute``
-microseconds on each. It runs once alone and once while a writer process (another
+microseconds on each. It runs in rounds, alone and then while a writer process (another
 node, as a prefill node) offers a new block every ``--every`` microseconds. Three
 devices with the same DRAM and SSD, in one run:
 
@@ -20,7 +20,7 @@ devices with the same DRAM and SSD, in one run:
              (``KVCache.admit``), stores only what the buffer takes, and skips the rest;
              the buffer flushes in batches only while reads leave the SSD idle.
 
-Per device: the median request's read GB/s alone and with the writer, and what the
+Per device: the read GB/s over all of a phase's requests, alone and with the writer, and what the
 writer got stored. Every byte read is checked.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 
@@ -56,16 +55,23 @@ def spec_of(root: str, device: str, a: argparse.Namespace) -> str:
     return spec + (f"&wbuf={a.wbuf}M" if device == "isolated" else "")
 
 
-def writer(spec: str, bb: int, n: int, every_us: float, isolated: bool, go, stop, out) -> None:
-    """Node 1: offer n new blocks, one every `every_us`, until told to stop."""
+RING = 32  # the writer's own blocks kept: it deletes older ones, so the cache never fills
+
+
+def writer(spec: str, bb: int, n: int, every_us: float, isolated: bool, ready, go, stop,
+           out) -> None:
+    """Node 1: offer at most n new blocks, one every `every_us`, while `go` is set, until
+    told to stop; keep only its last RING blocks (a cache evicting at steady state)."""
     with cxlrt.open(spec, node=1) as r:
         cache = cxlrt.KVCache(r, "obs3", create=False)
         keys = cache.block_hashes(range(10**6, 10**6 + 16 * n))
         block = np.full(bb, 0x5A, np.uint8)
         offered = stored = 0
-        go.wait()
+        ready.set()
         t = time.perf_counter()
         for k in keys:
+            while not go.wait(0.05) and not stop.is_set():
+                t = time.perf_counter()  # paused: the pace restarts on resume
             if stop.is_set():
                 break
             offered += 1
@@ -73,6 +79,8 @@ def writer(spec: str, bb: int, n: int, every_us: float, isolated: bool, go, stop
                 stored += cache.admit([k], block)
             else:
                 stored += len(cache.store([k], block))
+            if offered > RING:
+                cache.delete([keys[offered - 1 - RING]])
             t += every_us / 1e6
             while time.perf_counter() < t and not stop.is_set():
                 time.sleep(min(0.0005, max(0.0, t - time.perf_counter())))
@@ -93,9 +101,11 @@ def result_of(w, q) -> tuple[int, int]:
                                    "traceback is above") from None
 
 
-def read_requests(cache, window, keys, truth, lists, a, bb) -> list[float]:
+def read_requests(cache, window, keys, truth, lists, a, bb) -> float:
+    """The requests of `lists`, one after another; the seconds they took. Each request's
+    bytes are checked after its clock stops."""
     out = np.empty((a.per, bb), np.uint8)
-    gbps = []
+    spent = 0.0
     for pick in lists:
         t0 = time.perf_counter()
         with cache.lookup([keys[j] for j in pick]) as hit:
@@ -105,15 +115,15 @@ def read_requests(cache, window, keys, truth, lists, a, bb) -> list[float]:
                 cache.load(hit, out[b:b + 1], start=b, stop=b + 1)
                 if a.compute:
                     spin(a.compute / 1e6)
-        gbps.append(a.per * bb / (time.perf_counter() - t0) / 1e9)
+        spent += time.perf_counter() - t0
         assert np.array_equal(out, truth[pick])
-    return gbps
+    return spent
 
 
 def run_device(root: str, device: str, a: argparse.Namespace, lists) -> dict:
     bb = a.block * MIB
     spec = spec_of(root, device, a)
-    cap = a.pool + a.writes
+    cap = a.pool + 2 * RING
     r = cxlrt.open(spec, node=0, create=True, size=f"{2 * cap * a.block + 64}M", nodes=2)
     ctx = mp.get_context("spawn")
     try:
@@ -123,25 +133,36 @@ def run_device(root: str, device: str, a: argparse.Namespace, lists) -> dict:
         truth = np.random.default_rng(a.seed).integers(0, 256, (a.pool, bb), dtype=np.uint8)
         assert cache.store(keys, truth) == keys
         r.drain()
-        half = len(lists) // 2
-        alone = read_requests(cache, window, keys, truth, lists[:half], a, bb)
-        go, stop, q = ctx.Event(), ctx.Event(), ctx.Queue()
+        ready, go, stop, q = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
         w = ctx.Process(target=writer, args=(spec, bb, a.writes, a.every, device == "isolated",
-                                             go, stop, q))
+                                             ready, go, stop, q))
         w.start()
-        time.sleep(1.0)  # the writer's imports and open, before the clock starts
+        if not ready.wait(120):  # its imports and open happen before the clock starts
+            raise RuntimeError("the writer process did not start")
+        # Paired rounds, the writer paused and running in turn, so that drift of this
+        # shared machine falls on both alike; GB/s is all bytes over the summed time.
+        spent = {False: 0.0, True: 0.0}
         s0 = r.backend.stats()
-        go.set()
-        busy = read_requests(cache, window, keys, truth, lists[half:], a, bb)
+        step = max(1, len(lists) // (2 * a.rounds))
+        for i in range(0, len(lists), step):
+            writing = (i // step) % 2 == 1
+            if writing:
+                go.set()
+            else:
+                go.clear()
+            spent[writing] += read_requests(cache, window, keys, truth, lists[i:i + step], a, bb)
         stop.set()
+        n = {w: sum(len(lists[i:i + step]) for i in range(0, len(lists), step)
+                    if ((i // step) % 2 == 1) == w) for w in (False, True)}
+        alone, busy = (n[w] * a.per * bb / spent[w] / 1e9 for w in (False, True))
         offered, stored = result_of(w, q)
         s1 = r.backend.stats()
         window.close()
         cache.close()
     finally:
         r.close()
-    return {"device": device, "alone": statistics.median(alone),
-            "with_writes": statistics.median(busy), "offered": offered, "stored": stored,
+    return {"device": device, "alone": alone,
+            "with_writes": busy, "offered": offered, "stored": stored,
             "ssd_write_mib": (s1["ssd_write_bytes"] - s0["ssd_write_bytes"]) / MIB,
             "writebacks": s1["writebacks"] - s0["writebacks"],
             "refusals": s1["refusals"] - s0["refusals"]}
@@ -171,7 +192,7 @@ def plot(result: dict, path: str) -> None:
         ax.annotate(f"{r['stored']}/{r['offered']} stored", (i + 0.2, r["with_writes"]),
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [r["device"] for r in rows])
-    ax.set_ylabel("read GB/s (median request)")
+    ax.set_ylabel("read GB/s over the phase")
     ax.legend(fontsize=8)
     fig.suptitle(f"chm: DRAM {p['dram']} MiB, SSD {p['lat'] / 1000:g} us + {p['bw']} GB/s read, "
                  f"{p['wbw']} GB/s write; a {p['block']} MiB block offered every "
@@ -181,20 +202,23 @@ def plot(result: dict, path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap, tail = request_parser(__doc__, requests=30, seed=13, png="chm_writes.png")
+    ap, tail = request_parser(__doc__, requests=40, seed=13, png="chm_writes.png")
     ap.add_argument("--compute", type=float, default=100.0,
                     help="busy microseconds per consumed block (100)")
-    ap.add_argument("--writes", type=int, default=400, help="most blocks the writer offers (400)")
+    ap.add_argument("--writes", type=int, default=100000,
+                    help="most blocks the writer offers (100000)")
     ap.add_argument("--every", type=float, default=1000.0,
                     help="microseconds between the writer's blocks (1000)")
     ap.add_argument("--wbuf", type=int, default=4, help="isolated: write buffer MiB (4)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of reads alone then with the writer (5)")
     return tail()
 
 
 def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    check_request_args(ap, a, "writes", "wbuf")
+    check_request_args(ap, a, "writes", "wbuf", "rounds")
     if a.wbuf >= a.dram:
         ap.error("--wbuf must be smaller than --dram")
     if a.wbuf <= a.block:

@@ -298,3 +298,24 @@ def test_a_device_of_another_format_is_refused_not_rebuilt(region_dir):
     with pytest.raises(ValueError, match="built by another version of cxlrt"):
         _open(region_dir, "lru", create=False)
     assert os.path.getsize(f"{region_dir}/r.chm") > 0
+
+
+def test_the_end_to_end_script_serves_every_way_with_the_same_tokens(tmp_path):
+    # perf/chm_endtoend.py runs the demo (which checks every token against a monolithic
+    # run) on a DRAM-only cache and on both device policies; a small workload keeps it
+    # working (the figures are perf/'s).
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "perf", "chm_endtoend.py")
+    out = tmp_path / "e.json"
+    res = subprocess.run([sys.executable, script, "--turns", "2", "--conversations", "2",
+                          "--system-tokens", "128", "--user-tokens", "32", "--new-tokens", "8",
+                          "--ratio", "2", "--page", "16", "--png", "", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["way"] for r in rows] == ["dram", "staging", "lru"]
+    assert all(r["tokens_equal"] and len(r["hit_rate"]) == 2 for r in rows)
+    assert rows[0]["evictions"] > 0  # the DRAM-only cache is smaller than the footprint
+    bad = subprocess.run([sys.executable, script, "--ratio", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--ratio must be at least 1" in bad.stderr

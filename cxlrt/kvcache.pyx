@@ -765,6 +765,9 @@ cdef class KVCache:
         """
         self._need_open()
         cdef list ks = _keys(keys)
+        from cxlrt._buffers import cuda_buffers, sources
+        if ks and not cuda_buffers(blocks):
+            sources(blocks, len(ks), self.block_bytes)  # bad blocks: an error, room or not
         if ks and not self.region.admit(len(ks) * (self.block_bytes + KV_PAYLOAD_HDR),
                                         len(ks)):
             return False

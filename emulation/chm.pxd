@@ -55,7 +55,7 @@ cdef enum:
 
 
 ctypedef struct chm_hdr:
-    # written once when the sidecar is built (chmside.HEADER mirrors these 64 bytes)
+    # written once when the sidecar is built (chmside.HEADER mirrors these 104 bytes)
     uint64_t magic
     uint32_t version
     uint32_t policy

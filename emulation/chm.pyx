@@ -185,6 +185,24 @@ cdef inline void _dirty_hit(chm_ctx* c, uint64_t f) noexcept nogil:
 
 # --- the write buffer (staging with wbuf=) --------------------------------------------
 
+cdef long _migrate(chm_ctx* c, uint64_t f, uint64_t pg, uint64_t* cost) noexcept nogil:
+    """Move page pg from buffer frame f to a cache frame: CPU accesses (metadata) are
+    the cache's, and the buffer keeps DMA data only. The copy is mapped before frame f
+    is freed, so a holder killed between leaves the page in one of them (_repair).
+    The new frame, or CXLRT_E_IO."""
+    cdef uint64_t w = c.ftab[f]
+    cdef long g = _victim(c, cost)
+    if g < 0:
+        return g
+    c.ftab[g] = ((pg + 1) << 8) | CHM_F_FILL
+    memcpy(c.dram + <uint64_t>g * c.page, c.dram + f * c.page, _page_len(c, pg))
+    _publish(c, <uint64_t>g, pg, (w & CHM_F_DIRTY) != 0)
+    c.ftab[f] = 0
+    if (w & CHM_F_DIRTY) and c.h.wb_dirty:
+        c.h.wb_dirty -= 1
+    return g
+
+
 cdef long _wb_take(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept nogil:
     """A write-buffer frame for page pg, FILL and unmapped as _fill leaves one (read
     from the SSD first when the write covers only part of the page); or CXLRT_E_NOMEM
@@ -264,7 +282,11 @@ cdef inline bint _ssd_idle(chm_ctx* c, uint64_t now) noexcept nogil:
 
 cdef inline uint64_t _wb_room(chm_ctx* c, uint64_t now) noexcept nogil:
     """Buffer frames a write may take: not dirty, and not in a flush still running."""
-    cdef uint64_t busy = c.h.wb_dirty + (c.h.bg_pages if c.h.bg_free_ns > now else 0)
+    cdef uint64_t bg = c.h.bg_free_ns
+    cdef uint64_t busy = min(c.h.wb_dirty, c.wb_frames)
+    # A flush end past any real queue is a scribble, or a time of an earlier boot's clock.
+    if now < bg <= now + CHM_MAX_QUEUE_NS:
+        busy += min(c.h.bg_pages, c.wb_frames)
     return c.wb_frames - min(busy, c.wb_frames)
 
 
@@ -283,27 +305,36 @@ cdef int _wb_idle_flush(chm_ctx* c, uint64_t now) noexcept nogil:
 
 
 cdef void _repair(chm_ctx* c) noexcept nogil:
-    """Finish what a holder killed inside the controller left: drop half-filled
-    frames and entries that do not name each other; a valid frame its page no longer
-    maps is written back if its page is nowhere else, then freed."""
+    """Finish what a holder killed inside the controller left, in three passes: drop
+    half-filled frames; then page-map entries that do not name a valid frame naming
+    them back; then a valid frame its page no longer maps is written back if its page
+    is nowhere else (an eviction or a move cut short), and freed. The passes go in that
+    order so that a map entry naming a dropped half-filled frame never counts as the
+    page being elsewhere."""
     cdef uint64_t f, w, pg, cost = 0
+    for f in range(c.frames):
+        w = c.ftab[f]
+        pg = (w >> 8) - 1
+        if w != 0 and (pg >= c.pages or (w & CHM_F_FILL) or not (w & CHM_F_VALID)):
+            c.ftab[f] = 0
+    for pg in range(c.pages):
+        if c.pmap[pg] != 0 and _frame_of(c, pg) < 0:
+            c.pmap[pg] = 0
     for f in range(c.frames):
         w = c.ftab[f]
         if w == 0:
             continue
         pg = (w >> 8) - 1
-        if pg >= c.pages or (w & CHM_F_FILL) or not (w & CHM_F_VALID):
-            c.ftab[f] = 0
-            continue
         if c.pmap[pg] != f + 1:
             if (w & CHM_F_DIRTY) and c.pmap[pg] == 0 and _ssd_page(c, f, pg, True, &cost) != 0:
                 c.pmap[pg] = <uint32_t>(f + 1)  # the only copy: keep it in DRAM, mapped
                 continue
             c.ftab[f] = 0
-    for pg in range(c.pages):
-        if c.pmap[pg] != 0 and _frame_of(c, pg) < 0:
-            c.pmap[pg] = 0
     _wb_recount(c)
+    # The model's queues start afresh: a dead holder may have left them half updated.
+    c.h.bg_pages = 0
+    c.h.bg_free_ns = 0
+    c.h.ssd_free_ns = 0
     c.h.st[CHM_ST_REPAIRS] += 1
     _charge(c, cxl_now_ns(), cost)
 
@@ -343,11 +374,12 @@ cdef uint64_t _charge(chm_ctx* c, uint64_t t0, uint64_t cost) noexcept nogil:
 cdef void _charge_bg(chm_ctx* c, uint64_t t0, uint64_t cost, uint64_t pages) noexcept nogil:
     """Queue a flush of `pages` after all the work queued so far; its pages count as
     taken in the buffer until it ends."""
-    cdef uint64_t start
+    cdef uint64_t start, bg = c.h.bg_free_ns
     if cost == 0:
         return
-    start = max(_sane(c.h.ssd_free_ns, t0), _sane(c.h.bg_free_ns, t0))
-    c.h.bg_pages = (c.h.bg_pages if c.h.bg_free_ns > t0 else 0) + pages
+    start = max(_sane(c.h.ssd_free_ns, t0), _sane(bg, t0))
+    c.h.bg_pages = (min(c.h.bg_pages, c.wb_frames) if t0 < bg <= t0 + CHM_MAX_QUEUE_NS
+                    else 0) + pages
     c.h.bg_free_ns = start + cost
     c.h.st[CHM_ST_BUSY_NS] += cost
 
@@ -404,13 +436,18 @@ cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
     # The model's clock starts when the device takes the request: the real copies
     # below are part of the modelled time, not added to it.
     t0 = cxl_now_ns()
-    if write:
+    if write and dma:  # data, not metadata (a heartbeat) starts a flush
         rc = _wb_idle_flush(c, t0)
     while n and rc == 0:
         pg = off // c.page
         a = off - pg * c.page
         k = min(n, _page_len(c, pg) - a)
         f = _frame_of(c, pg)
+        if f >= 0 and not dma and <uint64_t>f >= c.cpu_frames:
+            f = _migrate(c, <uint64_t>f, pg, &cost)
+            if f < 0:
+                rc = <int>f
+                break
         buffered = False
         if f < 0 and dma and write and c.wb_frames:
             f = _wb_take(c, pg, not (a == 0 and k == _page_len(c, pg)), &cost)
@@ -511,17 +548,19 @@ cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
     """ADMIT: room for `a` bytes in `b` pieces among the buffer frames not awaiting
     write-back (after one idle flush batch)? DRAIN: write the whole buffer back, and
     wait for it, as a write of those bytes would."""
-    cdef uint64_t cost = 0, need, end, t0
+    cdef uint64_t cost = 0, need, least, end, t0
     cdef long n
     cdef int rc = _lock(c)
     if rc != 0:
         return rc
     t0 = cxl_now_ns()
     if kind == CXL_HINT_ADMIT:
-        need = a // c.page + 1 + b  # each piece may straddle one page more
-        if need > c.wb_frames:
+        # Pages the pieces take at most, and at least (laid out aligned, end to end).
+        least = a // c.page + (a % c.page != 0)
+        if least > c.wb_frames or b > (<uint64_t>1 << 40):
             rc = CXLRT_E_RANGE  # could never be admitted: the caller's error, not a "no"
         else:
+            need = min(least + b, c.wb_frames)
             rc = _wb_idle_flush(c, t0)
             if rc == 0 and need <= _wb_room(c, t0):
                 c.h.st[CHM_ST_ADMITS] += 1
@@ -531,6 +570,10 @@ cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
     else:
         n = _wb_flush(c, c.wb_frames, &cost)
         rc = <int>n if n < 0 else 0
+        if rc == 0:  # everything is on the SSD once this request ends
+            _wb_recount(c)
+            c.h.bg_pages = 0
+            c.h.bg_free_ns = 0
     end = _charge(c, t0, cost)
     cxl_mutex_unlock(c.lock)
     if end:

@@ -55,7 +55,10 @@ def _idle_text(ns: int) -> str:
 def _idle(text: str) -> int:
     if text.strip().lower() == "never":
         return WB_NEVER
-    return parse_int_range(0, 10**12)(text)
+    try:
+        return parse_int_range(0, 10**12)(text)
+    except ValueError:
+        raise ValueError("expected ns from 0 to 10**12, or never") from None
 
 
 PARAMS = {

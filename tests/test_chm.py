@@ -143,6 +143,7 @@ def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
     ("page=4K&dram=16T", "too many"),
     ("policy=lru&wbuf=16K", "wbuf= is the staging policy's write buffer"),
     ("policy=staging&page=4K&dram=64K&wbuf=64K", "leaves no DRAM for the cache"),
+    ("policy=staging&wbidle=soon", "expected ns from 0 to 10.*12, or never"),
 ])
 def test_bad_parameters_are_clear_errors(region_dir, spec, match):
     with pytest.raises(ValueError, match=match):
@@ -295,9 +296,16 @@ def test_a_device_of_another_format_is_refused_not_rebuilt(region_dir):
     with open(f"{region_dir}/r.chm", "r+b") as f:
         f.seek(8)
         f.write((chmside.VERSION - 1).to_bytes(4, "little"))
+    with open(f"{region_dir}/r.chm", "rb") as f:
+        before = f.read()
     with pytest.raises(ValueError, match="built by another version of cxlrt"):
         _open(region_dir, "lru", create=False)
-    assert os.path.getsize(f"{region_dir}/r.chm") > 0
+    with open(f"{region_dir}/r.chm", "rb") as f:
+        assert f.read() == before  # left as it was, dirty frames and all
+    os.unlink(f"{region_dir}/r")  # a region file made again gets a new device
+    r = _open(region_dir, "lru")
+    assert r.dma_read(off, PAGE) != b"\x5a" * PAGE
+    r.close()
 
 
 def test_the_end_to_end_script_serves_every_way_with_the_same_tokens(tmp_path):

@@ -66,11 +66,11 @@ def test_buffered_writes_stay_in_dram_until_drained_and_reads_see_them(region_di
     assert after["direct_writes"] == before["direct_writes"]
     assert _file_bytes(region_dir, off, 8 * PAGE) != data  # not on the SSD yet
     assert r.dma_read(off, 8 * PAGE) == data
-    assert r.load(off + 5 * PAGE + 8, 16) == data[5 * PAGE + 8:5 * PAGE + 24]
     r.drain()
     assert _file_bytes(region_dir, off, 8 * PAGE) == data
     assert r.backend.stats()["flushes"] == after["flushes"] + 1  # one batch
     assert r.dma_read(off, 8 * PAGE) == data  # still mapped, now clean
+    assert r.load(off + 5 * PAGE + 8, 16) == data[5 * PAGE + 8:5 * PAGE + 24]
     r.close()
 
 
@@ -92,8 +92,11 @@ def test_admit_says_no_when_full_and_a_write_past_it_goes_through(region_dir):
     r.drain()
     assert r.admit(6 * PAGE)
     assert _file_bytes(region_dir, off, 16 * PAGE) == data
+    assert r.admit(8 * PAGE)  # all 8 frames: it fits only when laid out aligned
     with pytest.raises(ValueError, match="more than the device's whole write buffer"):
-        r.admit(8 * PAGE)
+        r.admit(8 * PAGE + 1)
+    with pytest.raises(ValueError, match="more than the device's whole write buffer"):
+        r.admit(0, 2**64 - 1)
     with pytest.raises(ValueError, match="pieces must be at least 1"):
         r.admit(PAGE, 0)
     r.close()
@@ -133,8 +136,8 @@ def test_reads_never_flush_and_an_idle_ssd_lets_a_write_flush(region_dir):
 def test_a_flush_runs_behind_the_reads_and_its_pages_are_not_free_until_it_ends(region_dir):
     # Requests of 0.1 ms; a page written back takes 5 ms, so a batch of 8 takes 40 ms.
     # A flush runs in the background: a read that comes during it waits for the page
-    # being written, not for the batch. (The region's heartbeat may start small
-    # flushes of its own meanwhile; no assertion depends on it not doing so.)
+    # being written, not for the batch. Only DMA writes and admissions start flushes,
+    # so the region's heartbeat (CPU stores) does not.
     r = _open(region_dir, idle=0, extra="lat=100000&wbw=0.0008192")
     off = _alloc(r, 16 * PAGE)
     r.dma_write(off, os.urandom(8 * PAGE))  # buffered
@@ -264,3 +267,65 @@ def test_the_concurrent_writes_script_reads_back_what_it_stored(tmp_path):
         r = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_a_one_page_buffer_admits_a_page_at_a_time(region_dir):
+    r = _open(region_dir, wbuf="4K")
+    assert r.admit(0) and r.admit(PAGE) and r.admit(PAGE // 2)
+    with pytest.raises(ValueError, match="more than the device's whole write buffer"):
+        r.admit(PAGE + 1)
+    off = _alloc(r, PAGE)
+    r.dma_write(off, b"\x33" * PAGE)
+    assert r.backend.write_buffer() == (1, 1)
+    assert not r.admit(PAGE)
+    r.drain()
+    assert r.admit(PAGE)
+    r.close()
+
+
+def test_cpu_accesses_move_a_page_out_of_the_buffer(region_dir):
+    # Metadata is the cache's: a CPU load or store of a buffered page moves it to a
+    # cache frame, dirty if it was, so the buffer holds only DMA data.
+    r = _open(region_dir)
+    off = _alloc(r, 2 * PAGE)
+    data = os.urandom(2 * PAGE)
+    r.dma_write(off, data)
+    assert r.backend.write_buffer() == (8, 2)
+    assert r.load(off + 8, 8) == data[8:16]  # a CPU load: the page moves, still dirty
+    assert r.backend.write_buffer() == (8, 1)
+    r.store64(off + PAGE, 77)  # a CPU store: so does this one
+    assert r.backend.write_buffer() == (8, 0)
+    assert r.backend.resident()[1] >= 2  # both dirty in cache frames now
+    want = data[:PAGE] + (77).to_bytes(8, "little") + data[PAGE + 8:]
+    assert r.dma_read(off, 2 * PAGE) == want
+    r.backend.writeback(drop=True)
+    assert _file_bytes(region_dir, off, 2 * PAGE) == want
+    r.close()
+
+
+def test_a_holder_killed_moving_a_page_out_of_the_buffer_loses_nothing(region_dir):
+    # Killed inside _migrate: the cache frame named and half copied (FILL), the page
+    # map already naming it, the buffer frame still holding the only dirty copy.
+    r = _open(region_dir)
+    off = _alloc(r, PAGE)
+    r.dma_write(off, b"\x11" * PAGE)
+    r.drain()
+    params = {"page": PAGE, "dram": 64 * 1024, "wbuf": 32 * 1024, "policy": "staging"}
+    geo = chmside.geometry(r.size, params)
+    f, g, pg = geo["frames"] - 1, 2, off // PAGE
+
+    def moving(m, ftab, pmap):
+        old = pmap[pg]
+        if old:
+            ftab[old - 1] = 0
+        ftab[f] = (pg + 1) << 8 | 1 | 2  # valid, dirty: the newest bytes
+        memoryview(m)[geo["data"] + f * PAGE:geo["data"] + (f + 1) * PAGE] = b"\x22" * PAGE
+        ftab[g] = (pg + 1) << 8 | 8  # half copied
+        memoryview(m)[geo["data"] + g * PAGE:geo["data"] + (g + 1) * PAGE] = b"\xee" * PAGE
+        pmap[pg] = g + 1
+
+    die_inside(f"{region_dir}/r.chm", geo, moving)
+    assert r.dma_read(off, PAGE) == b"\x22" * PAGE
+    r.backend.writeback(drop=True)
+    assert _file_bytes(region_dir, off, PAGE) == b"\x22" * PAGE
+    r.close()

@@ -178,6 +178,18 @@ def test_bad_pools_are_clear_errors(backend):
         cxlrt.KVPool([a, b], placement="random")
     with pytest.raises(ValueError, match="its own region"):
         cxlrt.KVPool([a, cxlrt.KVCache(regions[0], "kv2", block_bytes=BB, capacity_blocks=8)])
+    twice = cxlrt.open(regions[0].spec, node=1)  # another Region object, the same region
+    _opened.append(twice)
+    with pytest.raises(ValueError, match="its own region"):
+        cxlrt.KVPool([a, cxlrt.KVCache(twice, "kv", create=False)])
+    with pytest.raises(ValueError, match="home_from must be an int >= 0"):
+        cxlrt.KVPool([a, b], home_from=-1)
+    # Blocks of 128 tokens: a probe of 64 tokens would hash to no key on either side.
+    t1 = cxlrt.KVCache(regions[0], "t128", block_bytes=BB, capacity_blocks=8, block_tokens=128)
+    t2 = cxlrt.KVCache(regions[1], "t128", block_bytes=BB, capacity_blocks=8, block_tokens=128,
+                       salt=b"other")
+    with pytest.raises(ValueError, match="hashes tokens differently"):
+        cxlrt.KVPool([t1, t2])
     other = cxlrt.KVCache(regions[1], "big", block_bytes=2 * BB, capacity_blocks=8)
     with pytest.raises(ValueError, match="one pool holds one model's KV"):
         cxlrt.KVPool([a, other])
@@ -189,6 +201,11 @@ def test_bad_pools_are_clear_errors(backend):
         with pytest.raises(ValueError, match="not from one of the pool's caches"):
             cxlrt.KVPool([b]).device_of(hit)
     assert "2 devices" in repr(pool) and len(pool) == 2
+    b.close()
+    with pytest.raises(ValueError, match="device 1's cache 'kv' is closed"):
+        pool.lookup(pool.block_hashes(chain(0, 1)))
+    with pytest.raises(ValueError, match="device 1's cache 'kv' is closed"):
+        cxlrt.KVPool([a, b])
 
 
 def test_objects_of_different_sizes_share_the_devices(backend):
@@ -210,3 +227,49 @@ def test_objects_of_different_sizes_share_the_devices(backend):
                 out = hit.cache.load(hit)
                 assert [out[i].tobytes() for i in range(2)] == [block_for(k, bb) for k in keys]
     assert small.placed == big.placed == [2, 2]
+
+
+def test_home_from_spreads_chains_that_share_a_system_prompt(backend):
+    _, regions = devices(backend)
+    system = 2  # blocks every conversation starts with
+
+    def conv_keys(pool, conv, n=4):
+        return pool.block_hashes(chain(conv, n, shared=system))
+
+    # Without home_from, the shared first block decides: every chain lands on one device.
+    lumped = cxlrt.KVPool(caches(regions), placement="round_robin")
+    for conv in range(3):
+        keys = conv_keys(lumped, conv)
+        lumped.store(keys, [block_for(k) for k in keys])
+    assert [lumped.home(conv_keys(lumped, c)) for c in range(3)] == [0, 0, 0]
+    # With it, each conversation's own blocks decide, and each home has the prompt.
+    cs = [cxlrt.KVCache(r, "spread", block_bytes=BB, capacity_blocks=64) for r in regions]
+    pool = cxlrt.KVPool(cs, placement="round_robin", home_from=system)
+    for conv in range(6):
+        keys = conv_keys(pool, conv)
+        pool.store(keys[:3], [block_for(k) for k in keys[:3]])
+        pool.store(keys, [block_for(k) for k in keys])  # the next turn goes home
+    assert [pool.home(conv_keys(pool, c)) for c in range(6)] == [0, 1, 2, 0, 1, 2]
+    for conv in range(6):
+        keys = conv_keys(pool, conv)
+        assert stored_on(pool, keys[system:]) == {conv % 3}
+        with pool.lookup(keys) as hit:
+            assert len(hit) == 4 and pool.device_of(hit) == conv % 3
+    assert [c.occupancy for c in cs] == [system + 2 * 2] * 3  # the prompt once per device
+    assert pool.home(conv_keys(pool, 0)[:system]) == 0  # the prompt alone: the first holder
+
+
+def test_the_longest_copy_is_read_and_extended(backend):
+    # Two processes placing one new chain at once can leave copies of different
+    # lengths on two devices: lookups read the longer, stores extend it.
+    _, regions = devices(backend, 2)
+    cs = caches(regions)
+    pool = cxlrt.KVPool(cs)
+    keys = pool.block_hashes(chain(0, 6))
+    cs[0].store(keys[:1], [block_for(keys[0])])
+    cs[1].store(keys[:4], [block_for(k) for k in keys[:4]])
+    with pool.lookup(keys) as hit:
+        assert len(hit) == 4 and pool.device_of(hit) == 1
+    assert pool.store(keys, [block_for(k) for k in keys]) == keys[4:]
+    assert stored_on(pool, keys[1:]) == {1}
+    assert pool.placed == [0, 0]  # it had a home: nothing was placed

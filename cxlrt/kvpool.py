@@ -96,18 +96,20 @@ class KVPool:
         """(device, Hit) of the longest run of `keys` any device holds (ties to the
         lower index); the other devices' hits are released."""
         best_i, best = 0, None
-        for i, c in enumerate(self.caches):
-            if c.closed:
-                if best is not None:
-                    best.release()
-                raise ValueError(f"device {i}'s cache {c.name!r} is closed")
-            hit = c.lookup(keys)
-            if best is None or len(hit) > len(best):
-                if best is not None:
-                    best.release()
-                best_i, best = i, hit
-            else:
-                hit.release()
+        try:
+            for i, c in enumerate(self.caches):
+                if c.closed:
+                    raise ValueError(f"device {i}'s cache {c.name!r} is closed")
+                hit = c.lookup(keys)
+                if best is None or len(hit) > len(best):
+                    best, hit = hit, best
+                    best_i = i
+                if hit is not None:
+                    hit.release()
+        except BaseException:
+            if best is not None:  # no pin outlives a failed call
+                best.release()
+            raise
         return best_i, best
 
     def _owns(self, n: int, nkeys: int) -> bool:

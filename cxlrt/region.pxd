@@ -19,6 +19,7 @@ cdef class Region:
     cdef object _closing           # WeakSet: dependents closed before the mapping goes
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
+    cdef int _hint(self, int kind, uint64_t a, uint64_t b) noexcept
     cdef _close(self, bint held_ok)
     cdef bint _cut_off(self)
 

@@ -469,15 +469,9 @@ cdef class Region:
         every write then goes to its tier at once. Advisory: the room is not reserved;
         a write that finds it gone goes through to the capacity tier, correct but slower.
         Raises ValueError for a size the buffer could never take."""
-        cdef int rc
         if pieces == 0:
             raise ValueError("pieces must be at least 1")
-        self._busy += 1
-        try:
-            with nogil:
-                rc = cxl_hint(self.r, CXL_HINT_ADMIT, nbytes, pieces)
-        finally:
-            self._busy -= 1
+        cdef int rc = self._hint(CXL_HINT_ADMIT, nbytes, pieces)
         if rc == CXLRT_E_UNSUPPORTED:
             return True
         if rc == CXLRT_E_RANGE:
@@ -489,15 +483,18 @@ cdef class Region:
     def drain(self):
         """Write the device's write buffer back to its capacity tier now, and wait for
         it (nothing to do where the backend has none)."""
-        cdef int rc
-        self._busy += 1
-        try:
-            with nogil:
-                rc = cxl_hint(self.r, CXL_HINT_DRAIN, 0, 0)
-        finally:
-            self._busy -= 1
+        cdef int rc = self._hint(CXL_HINT_DRAIN, 0, 0)
         if rc != CXLRT_E_UNSUPPORTED:
             self._rc(rc, "drain", 0, 0)
+
+    cdef int _hint(self, int kind, uint64_t a, uint64_t b) noexcept:
+        """cxl_hint without the GIL, counted in _busy as every device call is."""
+        cdef int rc
+        self._busy += 1
+        with nogil:
+            rc = cxl_hint(self.r, kind, a, b)
+        self._busy -= 1
+        return rc
 
     def register_cuda(self):
         """Page-lock the mapping for CUDA (cudaHostRegister, in pieces of at most

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import cxlrt
+from cxlrt.check import check, repair
 from cxlrt.emulation import chmside
 from cxlrt.kvcache import KVCache
 
@@ -245,6 +246,10 @@ def test_nothing_admitted_is_lost_when_its_writer_dies_or_the_device_power_cycle
                 out = c.load(hit)
             assert [out[i].tobytes() for i in range(len(admitted))] == \
                 [_kv_block(k, bb) for k in admitted]
+        # The killed writer's node is recovered like any dead node's: one repair at most.
+        if check(spec)["problems"]:
+            repair(spec, 1)  # node 1 was the writer's
+        assert check(spec)["problems"] == []
 
 
 def test_the_concurrent_writes_script_reads_back_what_it_stored(tmp_path):

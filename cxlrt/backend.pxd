@@ -68,6 +68,13 @@ cdef enum:
     #                       room is not reserved: a write that finds it gone by then goes
     #                       through to the capacity tier (correct, only slower)
     CXL_HINT_DRAIN = 2    # (0, 0): write the write buffer back to the capacity tier now
+    CXL_HINT_PREFETCH = 3  # (off, n): stage the range in the device's fast memory ahead of
+    #                       DMA reads, held there until released or until the device's pin
+    #                       time lapses (a dead requester's hold ends on its own). Returns
+    #                       at once: a read of a page still landing waits for it. 0 taken,
+    #                       CXL_HINT_REFUSED no room the device can spare (read it directly)
+    CXL_HINT_WAIT = 4     # (off, n): wait until the staged pages of the range have landed
+    CXL_HINT_RELEASE = 5  # (off, n): the range was consumed: give its hold back
     CXL_HINT_REFUSED = 1  # a hint's positive "no" (not an error)
 
 

@@ -518,16 +518,24 @@ cdef class KVCache:
                     "its pins no longer counted. Release the hit and look the keys up again")
         return self._raise(rc, what)
 
-    def prefetch(self, Hit hit not None, window, *, start=0):
-        """Issue the hit's blocks ``[start:]``, in order, to a StagingWindow over this
-        cache's region; a later ``load(hit)`` consumes them as they are staged (the
-        copy of block i overlaps the staging of block i+1). Releasing the hit
-        releases what load() did not consume. HyMCache's request-level prefetch."""
+    def prefetch(self, Hit hit not None, window=None, *, start=0):
+        """Issue the hit's blocks ``[start:]``, in order, for a later ``load(hit)``,
+        which consumes them as they land (the copy of block i overlaps the staging of
+        block i+1). Releasing the hit releases what load() did not consume.
+        HyMCache's request-level prefetch.
+
+        `window` is a StagingWindow over this cache's region (in this process's memory,
+        or ``device=True``: in the device's; it then needs room for a block and its
+        64-byte header per object). None asks the device itself
+        (``Region.prefetch``) with no window here: any process's read of the blocks
+        then finds them in device memory, which is how a serving engine's scheduler
+        prefetches for its workers. Returns the number of blocks the device took
+        (None: 0 where it takes no prefetch; a window: every block issued)."""
         from cxlrt.staging import StagingWindow
         self._need_hit(hit)
-        if not isinstance(window, StagingWindow):
-            raise TypeError(f"window must be a StagingWindow, not {type(window).__name__}")
-        if window.region is not self.region:
+        if window is not None and not isinstance(window, StagingWindow):
+            raise TypeError(f"window must be a StagingWindow or None, not {type(window).__name__}")
+        if window is not None and window.region is not self.region:
             raise ValueError("the window must read this cache's region")
         if hit._staged is not None:
             raise ValueError("this hit's blocks were prefetched already")
@@ -535,13 +543,23 @@ cdef class KVCache:
             raise ValueError(f"start must be an int in 0..{hit.n}, got {start!r}")
         cdef uint64_t i, bb = self.block_bytes
         cdef int rc = 0
-        for i in range(start, hit.n):  # each payload is checked before its staging copy
-            rc = self._check_busy(hit, i)
-            if rc != 0:
-                self._raise_stale(hit, i, rc, "prefetch")
-        hs = window.prefetch_many([(hit.offs[i] + KV_PAYLOAD_HDR, bb)
-                                   for i in range(start, hit.n)])
+        if window is not None and not window.device:
+            for i in range(start, hit.n):  # each payload is checked before its staging copy
+                rc = self._check_busy(hit, i)
+                if rc != 0:
+                    self._raise_stale(hit, i, rc, "prefetch")
+            objs = [(hit.offs[i] + KV_PAYLOAD_HDR, bb) for i in range(start, hit.n)]
+        else:
+            # In device memory the load reads the region itself, checking the header before
+            # and after its copy as every direct load does: nothing to check here. The
+            # header is staged with its payload, so that check reads DRAM too.
+            objs = [(hit.offs[i], KV_PAYLOAD_HDR + bb) for i in range(start, hit.n)]
+        if window is not None:
+            hs = window.prefetch_many(objs)
+        else:
+            hs = [int(self.region.prefetch(o, n)) for o, n in objs]
         hit._staged = (window, [0] * start + hs)
+        return len(hs) if window is not None else sum(hs)
 
     cdef int _check_busy(self, Hit hit, uint64_t i) except? -1:
         """_check_payload without the GIL, counted in region._busy as every copy is:
@@ -567,6 +585,19 @@ cdef class KVCache:
         if h == 0:
             return 1
         hs[i] = 0
+        if w is None or w.device:  # staged in device memory: read the region, then let go
+            if w is not None:
+                try:
+                    w.wait(h)
+                except (StagingError, RegionClosedError):
+                    pass
+            try:
+                rc = self._copy_direct(hit, i, p)
+            finally:
+                self._unstage_one(hit, w, h, i)
+            if rc != 0:
+                self._raise_stale(hit, i, rc, "load")
+            return 0
         try:
             try:
                 v = w.wait(h)
@@ -585,18 +616,43 @@ cdef class KVCache:
             self._raise_stale(hit, i, rc, "load")
         return 0
 
+    cdef void _unstage_one(self, Hit hit, w, uint64_t h, uint64_t i) except *:
+        """Give back block i's staging: its window handle h, or (no window) the
+        device's hold on its payload."""
+        try:
+            if w is not None:
+                w.release(h)
+            else:
+                self.region.prefetch_release(hit.offs[i], KV_PAYLOAD_HDR + self.block_bytes)
+        except (StagingError, RegionClosedError):
+            pass
+
     cdef void _unstage_range(self, Hit hit, uint64_t a, uint64_t b) except *:
-        """Release the staged handles of blocks [a, b) that nobody will consume."""
+        """Release the staging of blocks [a, b) that nobody will consume."""
         if hit._staged is None:
             return
         w, hs = hit._staged
         for i in range(a, b):
             if hs[i]:
                 h, hs[i] = hs[i], 0
-                try:
-                    w.release(h)
-                except (StagingError, RegionClosedError):
-                    pass
+                self._unstage_one(hit, w, h, i)
+
+    cdef int _copy_direct(self, Hit hit, uint64_t i, char* p) except? -1:
+        """Block i from the region into p, its payload checked before and after the
+        copy (so no reuse slipped in): 0, or the check's status."""
+        cdef int rc
+        cdef uint64_t bb = self.block_bytes
+        self.region._busy += 1  # Region.close() refuses while we copy without the GIL
+        try:
+            with nogil:
+                rc = self._check_payload(hit, i)
+                if rc == 0:
+                    rc = cxl_dma_read(self.r, hit.offs[i] + KV_PAYLOAD_HDR, p, bb)
+                if rc == 0:
+                    rc = self._check_payload(hit, i)
+        finally:
+            self.region._busy -= 1
+        return rc
 
     def load(self, Hit hit not None, out=None, *, start=0, stop=None):
         """Copy the hit's blocks ``[start:stop]`` into `out` and return it.
@@ -640,16 +696,7 @@ cdef class KVCache:
             p = <char*>&mv[0]
             if hit._staged is not None and self._load_staged(hit, first + i, p) == 0:
                 continue
-            self.region._busy += 1  # Region.close() refuses while we copy without the GIL
-            try:
-                with nogil:
-                    rc = self._check_payload(hit, first + i)
-                    if rc == 0:
-                        rc = cxl_dma_read(self.r, hit.offs[first + i] + KV_PAYLOAD_HDR, p, bb)
-                    if rc == 0:  # and still ours after the copy: no reuse slipped in
-                        rc = self._check_payload(hit, first + i)
-            finally:
-                self.region._busy -= 1
+            rc = self._copy_direct(hit, first + i, p)
             if rc != 0:
                 self._raise_stale(hit, first + i, rc, "load")
         self._pending()[KV_ST_BYTES_LOADED] += n * bb
@@ -959,7 +1006,8 @@ cdef class Hit:
     cdef char* kb                 # KEY_BYTES per key, copied: the caller's list may change
     cdef readonly bint released
     cdef int owner_pid
-    cdef object _staged           # (StagingWindow, handle per block, 0: none) after prefetch
+    cdef object _staged           # (StagingWindow or None, handle or device hold per block, 0:
+    #                               none) after prefetch
 
     cdef int _fill(self, keys) except -1:
         """Validate `keys` (a sequence of 16-byte bytes) and copy them in."""
@@ -1018,10 +1066,14 @@ cdef class Hit:
         if staged is None:
             return
         w, hs = staged
-        for h in hs:
+        for i, h in enumerate(hs):
             if h:
                 try:
-                    w.release(h)
+                    if w is not None:
+                        w.release(h)
+                    elif self.cache is not None and self.cache.region is not None:
+                        self.cache.region.prefetch_release(
+                            self.offs[i], KV_PAYLOAD_HDR + self.cache.block_bytes)
                 except Exception:
                     pass
 

@@ -20,6 +20,7 @@ cdef class Region:
 
     cdef _dma_read(self, uint64_t off, char* p, uint64_t n)
     cdef int _hint(self, int kind, uint64_t a, uint64_t b) noexcept
+    cdef int _need_range(self, uint64_t off, uint64_t n, str op) except -1
     cdef _close(self, bint held_ok)
     cdef bint _cut_off(self)
 

@@ -14,7 +14,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_HINT_ADMIT, CXL_HINT_DRAIN,
-                            CXL_HINT_REFUSED, Backend, cxl_check_range, cxl_dma_read,
+                            CXL_HINT_PREFETCH, CXL_HINT_REFUSED, CXL_HINT_RELEASE, CXL_HINT_WAIT, Backend, cxl_check_range, cxl_dma_read,
                             cxl_dma_write, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_hint,
                             cxl_load, cxl_load64, cxl_persist, cxl_store, cxl_store64)
 from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_IO, CXLRT_E_RANGE,
@@ -486,6 +486,44 @@ cdef class Region:
         cdef int rc = self._hint(CXL_HINT_DRAIN, 0, 0)
         if rc != CXLRT_E_UNSUPPORTED:
             self._rc(rc, "drain", 0, 0)
+
+    # --- prefetch into the device's fast memory (HyMCache's chm_prefetch_object) ---
+
+    def prefetch(self, uint64_t off, uint64_t n):
+        """Ask the device to stage [off, off+n) in its fast memory (a CXL-HM device's
+        DRAM) ahead of DMA reads, and hold it there until ``prefetch_release`` or
+        until the device's pin time lapses. Returns at once; a read of a page still
+        landing waits for it, and ``prefetch_wait`` waits for the whole range. True
+        if the device took it; False if it has no room it can spare now, or takes
+        no prefetch (reads then go to the capacity tier: correct, slower). Advice
+        only: no outcome of it changes what a read returns."""
+        self._need_range(off, n, "prefetch")
+        cdef int rc = self._hint(CXL_HINT_PREFETCH, off, n)
+        if rc == CXLRT_E_UNSUPPORTED or rc == CXL_HINT_REFUSED:
+            return False
+        self._rc(rc, "prefetch", off, n)
+        return True
+
+    def prefetch_wait(self, uint64_t off, uint64_t n):
+        """Wait until the prefetched pages of [off, off+n) have landed."""
+        self._need_range(off, n, "prefetch_wait")
+        cdef int rc = self._hint(CXL_HINT_WAIT, off, n)
+        if rc != CXLRT_E_UNSUPPORTED:
+            self._rc(rc, "prefetch_wait", off, n)
+
+    def prefetch_release(self, uint64_t off, uint64_t n):
+        """Give back a prefetch's hold on [off, off+n): it was consumed, and the
+        device may evict it first."""
+        self._need_range(off, n, "prefetch_release")
+        cdef int rc = self._hint(CXL_HINT_RELEASE, off, n)
+        if rc != CXLRT_E_UNSUPPORTED:
+            self._rc(rc, "prefetch_release", off, n)
+
+    cdef int _need_range(self, uint64_t off, uint64_t n, str op) except -1:
+        if n == 0:
+            raise ValueError(f"{op}: an empty range")
+        self._rc(cxl_check_range(self.r, off, n), op, off, n)
+        return 0
 
     cdef int _hint(self, int kind, uint64_t a, uint64_t b) noexcept:
         """cxl_hint without the GIL, counted in _busy as every device call is."""

@@ -25,6 +25,15 @@ Protocol (every field below lives in `sw_ctx` and changes only under its mutex):
   has looked again.
 The window's bytes are this process's memory: the copy is a DMA read of the region
 (cxl_dma_read), so it sees what stores published, whatever this node's view caches.
+
+With ``device=True`` the window is the device's own fast memory (a CXL-HM device's
+DRAM, HyMCache's design): staging an object is CXL_HINT_PREFETCH then CXL_HINT_WAIT,
+a release is CXL_HINT_RELEASE, and the consumer reads the region itself, from device
+DRAM. The window still bounds what this requester holds there. A device that has no
+room to spare refuses; that object then counts as staged but not held, and its read
+goes to the capacity tier (skip, never stall). Prefetches of the device are shared by
+every process, so one that another process issued (a serving engine's scheduler)
+serves this one's reads too.
 """
 
 cimport cython
@@ -36,7 +45,9 @@ from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport clockid_t
 
-from cxlrt.backend cimport cxl_check_range, cxl_dma_read, cxl_region
+from cxlrt.backend cimport (CXL_HINT_PREFETCH, CXL_HINT_REFUSED, CXL_HINT_RELEASE,
+                            CXL_HINT_WAIT, cxl_check_range, cxl_dma_read, cxl_hint, cxl_region)
+from cxlrt.status cimport CXLRT_E_UNSUPPORTED
 from cxlrt.includes.intrin cimport cxl_pid
 from cxlrt.includes.mutex cimport pthread_mutex_t
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire_int, cxl_atomic_store_release_int,
@@ -80,6 +91,7 @@ ctypedef struct sw_req:
     int rc               # the copy's status (FAILED)
     int cancel           # released while COPYING: the copy stops, the refill frees it
     int views            # buffer exports alive (release refuses while any are)
+    int held             # device window: the device took the prefetch (release gives it back)
 
 
 ctypedef struct sw_ctx:
@@ -91,10 +103,12 @@ ctypedef struct sw_ctx:
     uint64_t lo          # oldest handle not yet released
     uint64_t next        # the handle prefetch() gives next
     uint64_t stage       # the handle the refill thread takes next
-    uint64_t staged, bytes_in_use, peak_bytes, copied, stalls
+    uint64_t staged, bytes_in_use, peak_bytes, copied, stalls, refused
+    int device           # the window is the device's memory: hints, no copies
     uint64_t* live       # the `staged` handles that hold room (COPYING, READY), any order
     uint64_t* spans      # scratch for _place: (at, n) of each, 2 * slots words
-    int copying          # a copy is in flight (no lock held)
+    int copying          # copies in flight (no lock held): 0 or 1; a device window's
+    #                      requests the device is staging, any number the window holds
     int stalled          # the request `stage` waits for room
     int stop
     pthread_mutex_t m
@@ -239,6 +253,106 @@ cdef void* _refill_main(void* arg) noexcept nogil:
     return NULL
 
 
+cdef int _take_next(sw_ctx* c, uint64_t* h) noexcept nogil:
+    """Place the request `stage` names in the window (mutex held): 1 and its handle, or
+    0 when there is none queued or no room for it (c.stalled says which, as in
+    _refill_main)."""
+    cdef sw_req* q
+    cdef uint64_t at = 0
+    while c.stage < c.next and _req(c, c.stage).state == SW_RELEASED:
+        c.stage += 1
+    if c.stage == c.next:
+        return 0
+    q = _req(c, c.stage)
+    if _place(c, q.n, &at) == 0:
+        if not c.stalled:
+            c.stalls += 1
+            c.stalled = 1
+            pthread_cond_broadcast(&c.done)  # waiters may now call it a stall
+        return 0
+    h[0] = c.stage
+    c.stage += 1
+    c.stalled = 0
+    q.at = at
+    q.state = SW_COPYING
+    c.live[c.staged] = h[0]
+    c.staged += 1
+    c.bytes_in_use += q.n
+    if c.bytes_in_use > c.peak_bytes:
+        c.peak_bytes = c.bytes_in_use
+    return 1
+
+
+cdef void* _refill_device(void* arg) noexcept nogil:
+    """The refill thread of a device window. It asks the device to stage every request
+    that fits as soon as it fits (CXL_HINT_PREFETCH returns at once, and the device
+    queues the reads back to back), and only when none more fits does it wait for the
+    oldest in flight to land and mark it READY: completion order is issue order, and
+    the device is never idle while the window has room (a wait per request would leave
+    it idle while the consumer copies)."""
+    cdef sw_ctx* c = <sw_ctx*>arg
+    cdef sw_req* q
+    cdef uint64_t h, off, n
+    cdef int rc, held
+    cxl_plain_mutex_lock(&c.m)
+    while not c.stop:
+        if _take_next(c, &h):
+            q = _req(c, h)
+            off = q.off
+            n = q.n
+            c.copying += 1
+            cxl_plain_mutex_unlock(&c.m)
+            rc = cxl_hint(c.r, CXL_HINT_PREFETCH, off, n)
+            cxl_plain_mutex_lock(&c.m)
+            q = _req(c, h)
+            q.held = rc == 0
+            if rc == CXL_HINT_REFUSED:
+                c.refused += 1  # its consumer reads the capacity tier: slower, never stalled
+                rc = 0
+            q.rc = rc
+            continue
+        # Nothing more fits: wait for the oldest request in flight.
+        h = c.lo
+        while h < c.stage and _req(c, h).state != SW_COPYING:
+            h += 1
+        if h == c.stage:
+            if c.stage == c.next:
+                c.stalled = 0
+            pthread_cond_wait(&c.work, &c.m)
+            continue
+        q = _req(c, h)
+        off = q.off
+        n = q.n
+        rc = q.rc
+        held = q.held
+        if rc == 0 and held:
+            cxl_plain_mutex_unlock(&c.m)
+            rc = cxl_hint(c.r, CXL_HINT_WAIT, off, n)
+            cxl_plain_mutex_lock(&c.m)
+        q = _req(c, h)
+        c.copying -= 1
+        if rc == 0 and held:
+            c.copied += n
+        if q.cancel or rc != 0:
+            _unstage(c, h)
+            if q.cancel:
+                q.state = SW_RELEASED
+                _advance(c)
+            else:
+                q.state = SW_FAILED
+                q.rc = rc
+            if held:  # nobody will consume it: the device may have the room back
+                q.held = 0
+                cxl_plain_mutex_unlock(&c.m)
+                cxl_hint(c.r, CXL_HINT_RELEASE, off, n)
+                cxl_plain_mutex_lock(&c.m)
+        else:
+            q.state = SW_READY
+        pthread_cond_broadcast(&c.done)
+    cxl_plain_mutex_unlock(&c.m)
+    return NULL
+
+
 # What _wait() found, besides a copy's own status (a negative CXLRT_E_* or errno).
 cdef enum:
     SW_OK = 0
@@ -287,7 +401,7 @@ cdef int _wait(sw_ctx* c, uint64_t h, double timeout, bint verdict,
             rc = SW_CLOSED
             break
         if q.state == SW_READY:
-            q.views += 1  # the caller's view, counted before anyone may release
+            q.views += not c.device  # the caller's view, counted before anyone may release
             out[0] = q[0]
             break
         if q.state == SW_FAILED:
@@ -304,6 +418,18 @@ cdef int _wait(sw_ctx* c, uint64_t h, double timeout, bint verdict,
             break
     cxl_plain_mutex_unlock(&c.m)
     return rc
+
+
+cdef void _unhold_all(sw_ctx* c) noexcept nogil:
+    """After the refill thread is joined: give back every hold the device still has
+    for this window (a closed window's objects are never consumed)."""
+    cdef uint64_t h
+    cdef sw_req* q
+    for h in range(c.lo, c.next):
+        q = _req(c, h)
+        if q.held and (q.state == SW_READY or q.state == SW_COPYING):
+            q.held = 0
+            cxl_hint(c.r, CXL_HINT_RELEASE, q.off, q.n)
 
 
 @cython.no_gc_clear  # the refill thread reads the region until __dealloc__ joins it
@@ -325,9 +451,10 @@ cdef class StagingWindow:
     cdef int _pid                # the process whose refill thread this is
     cdef bint _started, _closed, _joined
     cdef readonly uint64_t size, slots
+    cdef readonly bint device
     cdef object __weakref__  # Region.close() closes its windows first (a WeakSet)
 
-    def __cinit__(self, Region region not None, size=128 << 20, slots=8):
+    def __cinit__(self, Region region not None, size=128 << 20, slots=8, *, bint device=False):
         from cxlrt.spec import parse_size
         cdef uint64_t nbytes = parse_size(size) if isinstance(size, str) else size
         if nbytes == 0:
@@ -338,11 +465,19 @@ cdef class StagingWindow:
         self.c.r = region.backend.region()  # raises if the region is closed
         self.size = self.c.size = nbytes
         self.slots = self.c.slots = slots
-        self.c.buf = <char*>mmap(NULL, nbytes, PROT_READ | PROT_WRITE,
-                                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        if <void*>self.c.buf == MAP_FAILED:
-            self.c.buf = NULL
-            raise MemoryError(f"cannot map a staging window of {nbytes} bytes")
+        self.device = self.c.device = device
+        if device:
+            if cxl_hint(self.c.r, CXL_HINT_WAIT, 0, 1) == CXLRT_E_UNSUPPORTED:
+                raise ValueError(f"{region.spec}: this backend takes no prefetch hints, so a "
+                                 "window in device memory cannot be had; use device=False "
+                                 "(a window in this process's memory), or a CXL-HM device "
+                                 "under chm:?policy=staging")
+        else:
+            self.c.buf = <char*>mmap(NULL, nbytes, PROT_READ | PROT_WRITE,
+                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if <void*>self.c.buf == MAP_FAILED:
+                self.c.buf = NULL
+                raise MemoryError(f"cannot map a staging window of {nbytes} bytes")
         self.c.reqs = <sw_req*>calloc(16, sizeof(sw_req))  # grows with the handles in use
         self.c.live = <uint64_t*>calloc(self.c.slots, sizeof(uint64_t))
         self.c.spans = <uint64_t*>calloc(2 * self.c.slots, sizeof(uint64_t))
@@ -357,7 +492,8 @@ cdef class StagingWindow:
         cxl_plain_mutex_init(&self._jm)
         pthread_cond_init(&self.c.work, &attr)
         pthread_cond_init(&self.c.done, &attr)
-        cdef int rc = cxl_thread_start(&self._tid, _refill_main, &self.c)
+        cdef int rc = cxl_thread_start(&self._tid, _refill_device if device else _refill_main,
+                                       &self.c)
         if rc != 0:
             raise OSError(-rc, "cannot start the staging window's refill thread")
         self._started = True
@@ -395,6 +531,7 @@ cdef class StagingWindow:
                 cxl_plain_mutex_unlock(&self.c.m)
                 cxl_thread_join(self._tid)
                 self._joined = True
+                _unhold_all(&self.c)
             cxl_plain_mutex_unlock(&self._jm)
 
     def close(self):
@@ -451,7 +588,7 @@ cdef class StagingWindow:
                 rc = -1
                 break
             q = _req(&self.c, self.c.next)
-            q[0] = sw_req(off=off, n=n, at=0, state=SW_QUEUED, rc=0, cancel=0, views=0)
+            q[0] = sw_req(off=off, n=n, at=0, state=SW_QUEUED, rc=0, cancel=0, views=0, held=0)
             self.c.next += 1
         if rc != 0:
             self.c.next = first  # all or nothing: the refill thread saw none of them
@@ -463,7 +600,9 @@ cdef class StagingWindow:
         return list(range(first, first + len(objs)))
 
     def wait(self, uint64_t h, timeout=None):
-        """The staged bytes of `h` (a read-only memoryview, valid until release).
+        """The staged bytes of `h` (a read-only memoryview, valid until release). In a
+        device window: True once `h` is in device memory (read the region itself), or
+        False when the device had no room for it (the read goes to the capacity tier).
 
         Raises StagingTimeout after `timeout` seconds. Without a timeout, a wait that
         only a release could end (`h` does not fit until one, and no copy is in
@@ -480,6 +619,8 @@ cdef class StagingWindow:
         self._need_open()
         with nogil:
             rc = _wait(&self.c, h, t, timeout is None, &q)
+        if rc == SW_OK and self.device:
+            return bool(q.held)
         if rc == SW_OK:
             try:
                 s = Staged._of(self, h, q.at, q.n)  # from here on, s gives the view back
@@ -510,7 +651,8 @@ cdef class StagingWindow:
         flight stops at its next 1 MiB piece, and release() returns after that: the
         window never reads the object again). Refused while a view of it is alive."""
         cdef sw_req* q
-        cdef int rc, views = 0
+        cdef int rc, views = 0, unhold = 0
+        cdef uint64_t off = 0, n = 0
         self._need_process()
         with nogil:
             cxl_plain_mutex_lock(&self.c.m)
@@ -518,6 +660,9 @@ cdef class StagingWindow:
             if rc == SW_OK:
                 q = _req(&self.c, h)
                 views = q.views
+                if views == 0 and q.state == SW_READY and q.held:
+                    unhold, off, n = 1, q.off, q.n
+                    q.held = 0
                 if views == 0:
                     if q.state == SW_COPYING:
                         # Stop the copy, and return only once the refill thread has let
@@ -537,6 +682,8 @@ cdef class StagingWindow:
                     pthread_cond_broadcast(&self.c.work)
                     pthread_cond_broadcast(&self.c.done)
             cxl_plain_mutex_unlock(&self.c.m)
+            if unhold:
+                cxl_hint(self.c.r, CXL_HINT_RELEASE, off, n)
         if rc != SW_OK:
             self._raise(rc, h, "release")
         if views:
@@ -545,7 +692,9 @@ cdef class StagingWindow:
 
     def stats(self):
         """Counters: size, slots, staged, bytes_in_use, peak_bytes, queued, copied
-        (bytes), stalls (times the refill thread waited for room)."""
+        (bytes; in a device window, bytes the device took), stalls (times the refill
+        thread waited for room), refused (device window: objects the device had no
+        room for), device."""
         cdef sw_ctx snap
         self._need_process()
         with nogil:  # copied under the mutex, turned into objects after it
@@ -555,7 +704,7 @@ cdef class StagingWindow:
         return {"size": snap.size, "slots": snap.slots, "staged": snap.staged,
                 "bytes_in_use": snap.bytes_in_use, "peak_bytes": snap.peak_bytes,
                 "queued": snap.next - snap.stage, "copied": snap.copied,
-                "stalls": snap.stalls}
+                "stalls": snap.stalls, "refused": snap.refused, "device": bool(snap.device)}
 
     def ready(self, uint64_t h):
         """True once `h` is staged and readable (False while queued or copying)."""

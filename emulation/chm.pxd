@@ -12,6 +12,10 @@
 #    of pages not in DRAM fill; the clock never evicts them. A dirty buffer frame
 #    leaves DRAM only after its write-back, so nothing buffered is lost while the
 #    sidecar persists. wb_dirty counts them (under the lock; _repair recounts).
+#  - Under staging, CXL_HINT_PREFETCH pins cache frames (chm_pin): the clock passes over
+#    a pinned frame until its holders release it or its pin time lapses. Pins and
+#    landing times are advice about placement and timing only: every access still
+#    reads the page's one copy, so no pin state can make a read wrong.
 from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport Backend
@@ -46,7 +50,9 @@ cdef enum:
     CHM_ST_FLUSHES = 11       # write-buffer batches written back to the SSD
     CHM_ST_ADMITS = 12        # CXL_HINT_ADMIT answered yes
     CHM_ST_REFUSALS = 13      # CXL_HINT_ADMIT answered no (the buffer was full)
-    CHM_NSTATS = 14
+    CHM_ST_PREFETCHED = 14    # pages CXL_HINT_PREFETCH read from the SSD into a frame
+    CHM_ST_PF_REFUSALS = 15   # CXL_HINT_PREFETCH answered no (too few frames unpinned)
+    CHM_NSTATS = 16
 
 
 cdef enum:
@@ -55,7 +61,7 @@ cdef enum:
 
 
 ctypedef struct chm_hdr:
-    # written once when the sidecar is built (chmside.HEADER mirrors these 104 bytes)
+    # written once when the sidecar is built (chmside.HEADER mirrors these 112 bytes)
     uint64_t magic
     uint32_t version
     uint32_t policy
@@ -70,6 +76,7 @@ ctypedef struct chm_hdr:
     double wbw
     uint64_t wb_frames        # the last wb_frames frames are the write buffer (staging)
     uint64_t wb_idle_ns       # the SSD idle this long: the write buffer may flush
+    uint64_t pin_ns           # a prefetch pin lapses this long after it was taken
     # the controller's state, under the device lock
     uint64_t ssd_free_ns      # when the modelled SSD finishes the work queued so far
     uint64_t hand             # clock hand over the cache frames
@@ -78,6 +85,14 @@ ctypedef struct chm_hdr:
     uint64_t bg_free_ns       # when the SSD finishes the flushes queued so far (background)
     uint64_t bg_pages         # pages in those flushes: not yet free for new writes
     uint64_t st[CHM_NSTATS]
+
+
+ctypedef struct chm_pin:
+    # One per frame (the sidecar's pin table), under the device lock. Meaningful only
+    # while the frame holds a page a prefetch staged; _victim resets it on reuse.
+    uint64_t ready_ns         # when the prefetch's modelled SSD read of the page ends
+    uint64_t until_ns         # the pin lapses then (a dead holder never releases)
+    uint64_t count            # prefetches not yet released
 
 
 ctypedef struct chm_ctx:
@@ -98,6 +113,8 @@ ctypedef struct chm_ctx:
     pthread_mutex_t* lock
     uint32_t* pmap            # [pages]: frame + 1, 0 = not in DRAM
     uint64_t* ftab            # [frames]
+    chm_pin* pins             # [frames]
+    uint64_t pin_ns
     char* dram                # the frames' bytes [frames * page]
     int fd                    # the region file, this process's descriptor
     uint64_t lat_ns           # modelled SSD latency per request

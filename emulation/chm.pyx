@@ -35,7 +35,8 @@ from posix.time cimport nanosleep, timespec
 from posix.unistd cimport close, pread, pwrite
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
-                            CXL_HINT_ADMIT, CXL_HINT_DRAIN, CXL_HINT_REFUSED, cxl_ops)
+                            CXL_HINT_ADMIT, CXL_HINT_DRAIN, CXL_HINT_PREFETCH,
+                            CXL_HINT_REFUSED, CXL_HINT_RELEASE, CXL_HINT_WAIT, cxl_ops)
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_acquire32,
                                     cxl_atomic_load_relaxed64, cxl_fence_full, cxl_now_ns,
                                     cxl_spin_ns, unlikely)
@@ -58,6 +59,9 @@ cdef enum:
     # idle), in batches of this many bytes: a read that comes meanwhile queues behind
     # one batch at most.
     CHM_WB_BATCH = 1 << 18
+    # A prefetch reads at most this many pages as one SSD request (16 MiB of 64 KiB
+    # pages: a KV block of the paper's size in one sequential read).
+    CHM_PF_RUN = 256
 
 # --- the SSD --------------------------------------------------------------------
 
@@ -119,21 +123,38 @@ cdef inline int _frame_of(chm_ctx* c, uint64_t pg) noexcept nogil:
     return <int>f
 
 
+cdef inline bint _pinned(chm_ctx* c, uint64_t f, uint64_t now) noexcept nogil:
+    """Frame f is held by a prefetch not yet released whose pin has not lapsed. A time
+    past any pin this device gives (a scribble) holds nothing."""
+    cdef chm_pin* p = &c.pins[f]
+    return p.count != 0 and now < p.until_ns <= now + c.pin_ns
+
+
 cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
     """A free frame, evicting by clock if none is: a dirty victim is written back
     before it is unmapped, so a holder killed anywhere leaves its bytes on the SSD
-    or still mapped. The frame number, or CXLRT_E_IO."""
-    cdef uint64_t i, f, w, pg
+    or still mapped. The clock passes over pinned frames; only when every frame is
+    pinned does it take one anyway (pins are advice: the CPU path must always get a
+    frame). It never takes a frame being filled (FILL): under the lock only this
+    request's own prefetch run holds such frames (repair drops a dead holder's).
+    The frame number, or CXLRT_E_IO."""
+    cdef uint64_t i, f, w, pg, now = cxl_now_ns()
     cdef int rc
-    for i in range(2 * c.cpu_frames + 1):
+    for i in range(2 * c.cpu_frames + 2):
         f = c.h.hand % c.cpu_frames  # shared: never trusted as an index
         c.h.hand = (f + 1) % c.cpu_frames
         w = c.ftab[f]
+        if w & CHM_F_FILL:
+            continue  # taken by this very request (a prefetch run): never handed out twice
+        if w != 0 and i <= 2 * c.cpu_frames:
+            if _pinned(c, f, now):
+                continue
+            if w & CHM_F_REF:
+                c.ftab[f] = w & ~(<uint64_t>CHM_F_REF)
+                continue
+        c.pins[f] = chm_pin(ready_ns=0, until_ns=0, count=0)
         if w == 0:
             return <long>f
-        if w & CHM_F_REF:
-            c.ftab[f] = w & ~(<uint64_t>CHM_F_REF)
-            continue
         pg = (w >> 8) - 1
         if w & CHM_F_DIRTY and pg < c.pages:
             rc = _ssd_page(c, f, pg, True, cost)
@@ -145,7 +166,7 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
             c.pmap[pg] = 0
         c.ftab[f] = 0
         return <long>f
-    return CXLRT_E_IO  # unreachable: the first sweep clears every reference bit
+    return CXLRT_E_IO  # a prefetch leaves frames unfilled and unpinned: unreachable
 
 
 cdef long _fill(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept nogil:
@@ -426,8 +447,9 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
 cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                     bint dma) noexcept nogil:
     """Move n bytes between buf and the device at off through the policy; then wait
-    for the SSD time this request queued (not for a write-buffer batch it started)."""
-    cdef uint64_t cost = 0, pg, a, k, run, q, end = 0, t0
+    for the SSD time this request queued (not for a write-buffer batch it started),
+    and for prefetched pages it read that were still landing."""
+    cdef uint64_t cost = 0, pg, a, k, run, q, end = 0, t0, landed = 0
     cdef long f
     cdef bint buffered
     cdef int rc = _lock(c)
@@ -498,13 +520,15 @@ cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
             else:
                 c.ftab[f] |= CHM_F_REF
                 memcpy(buf, c.dram + f * c.page + a, k)
+            if <uint64_t>f < c.cpu_frames:  # a prefetched page lands when its read ends
+                landed = max(landed, _sane(c.pins[f].ready_ns, t0))
             c.h.st[CHM_ST_DRAM_BYTES] += k
         off += k
         buf += k
         n -= k
-    end = _charge(c, t0, cost)
+    end = max(_charge(c, t0, cost), landed)
     cxl_mutex_unlock(c.lock)
-    if end:
+    if end > t0:
         _wait_until(end)
     return rc
 
@@ -544,39 +568,161 @@ cdef int chm_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noe
     return _access(<chm_ctx*>ctx, off, <char*>src, n, True, True)
 
 
-cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
+cdef int _admit_drain(chm_ctx* c, int kind, uint64_t a, uint64_t b, uint64_t t0,
+                      uint64_t* cost) noexcept nogil:
     """ADMIT: room for `a` bytes in `b` pieces among the buffer frames not awaiting
-    write-back (after one idle flush batch)? DRAIN: write the whole buffer back, and
-    wait for it, as a write of those bytes would."""
-    cdef uint64_t cost = 0, need, least, end, t0
+    write-back (after one idle flush batch)? DRAIN: write the whole buffer back."""
+    cdef uint64_t need, least
     cdef long n
-    cdef int rc = _lock(c)
-    if rc != 0:
-        return rc
-    t0 = cxl_now_ns()
+    cdef int rc
     if kind == CXL_HINT_ADMIT:
         # Pages the pieces take at most, and at least (laid out aligned, end to end).
         least = a // c.page + (a % c.page != 0)
         if least > c.wb_frames or b > (<uint64_t>1 << 40):
-            rc = CXLRT_E_RANGE  # could never be admitted: the caller's error, not a "no"
-        else:
-            need = min(least + b, c.wb_frames)
-            rc = _wb_idle_flush(c, t0)
-            if rc == 0 and need <= _wb_room(c, t0):
-                c.h.st[CHM_ST_ADMITS] += 1
-            elif rc == 0:
-                c.h.st[CHM_ST_REFUSALS] += 1
-                rc = CXL_HINT_REFUSED
+            return CXLRT_E_RANGE  # could never be admitted: the caller's error, not a "no"
+        need = min(least + b, c.wb_frames)
+        rc = _wb_idle_flush(c, t0)
+        if rc == 0 and need <= _wb_room(c, t0):
+            c.h.st[CHM_ST_ADMITS] += 1
+        elif rc == 0:
+            c.h.st[CHM_ST_REFUSALS] += 1
+            rc = CXL_HINT_REFUSED
+        return rc
+    n = _wb_flush(c, c.wb_frames, cost)
+    if n < 0:
+        return <int>n
+    _wb_recount(c)  # everything is on the SSD once this request ends
+    c.h.bg_pages = 0
+    c.h.bg_free_ns = 0
+    return 0
+
+
+# --- prefetch into DRAM (staging): HyMCache's chm_prefetch_object / wait / release ---
+
+cdef int _prefetch(chm_ctx* c, uint64_t p0, uint64_t p1, uint64_t t0) noexcept nogil:
+    """Stage pages [p0, p1] in cache frames and pin them, reading the ones not in DRAM
+    from the SSD as one sequential request per run; their frames are mapped at once
+    and land (ready_ns) as the modelled read reaches each. Refused, with nothing
+    changed, unless a reserve of frames stays unpinned for the CPU path afterwards."""
+    cdef uint64_t pg, f, held = 0, add = 0, run, j, k, cost, end, nbytes, until
+    cdef uint64_t reserve = max(<uint64_t>1, c.cpu_frames // 8)
+    cdef uint64_t _run_frames[CHM_PF_RUN]
+    cdef long g
+    cdef int rc
+    for f in range(c.cpu_frames):
+        held += _pinned(c, f, t0)
+    for pg in range(p0, p1 + 1):
+        g = _frame_of(c, pg)
+        if g < 0:
+            add += 1
+        elif <uint64_t>g < c.cpu_frames and not _pinned(c, <uint64_t>g, t0):
+            add += 1
+    if held + add + reserve > c.cpu_frames:
+        c.h.st[CHM_ST_PF_REFUSALS] += 1
+        return CXL_HINT_REFUSED
+    until = t0 + c.pin_ns
+    # Pages already in DRAM are pinned first, so filling the others cannot evict them.
+    for pg in range(p0, p1 + 1):
+        g = _frame_of(c, pg)
+        if g >= 0 and <uint64_t>g < c.cpu_frames:
+            _pin(c, <uint64_t>g, until, 0)
+    pg = p0
+    while pg <= p1:
+        if _frame_of(c, pg) >= 0:
+            pg += 1
+            continue
+        run = 0
+        while pg + run <= p1 and run < CHM_PF_RUN and _frame_of(c, pg + run) < 0:
+            run += 1
+        cost = 0
+        nbytes = 0
+        for j in range(run):  # take frames; a victim's write-back goes first on the SSD
+            g = _victim(c, &cost)
+            if g < 0:
+                for k in range(j):
+                    c.ftab[_run_frames[k]] = 0
+                return <int>g
+            c.ftab[g] = ((pg + j + 1) << 8) | CHM_F_FILL
+            _run_frames[j] = <uint64_t>g
+        for j in range(run):
+            k = _page_len(c, pg + j)
+            rc = _ssd_io(c, c.dram + _run_frames[j] * c.page, k, (pg + j) * c.page, False)
+            if rc != 0:
+                for k in range(run):
+                    c.ftab[_run_frames[k]] = 0
+                return rc
+            nbytes += k
+        end = _charge(c, t0, cost + _ssd_cost(c, nbytes, False))
+        c.h.st[CHM_ST_SSD_READ_BYTES] += nbytes
+        c.h.st[CHM_ST_PREFETCHED] += run
+        k = 0
+        for j in range(run):
+            k += _page_len(c, pg + j)
+            _publish(c, _run_frames[j], pg + j, False)
+            # Page j of the run lands when the sequential read has moved its bytes.
+            _pin(c, _run_frames[j], until, end - <uint64_t>((nbytes - k) / c.read_bpns)
+                 if c.read_bpns > 0 else end)
+        pg += run
+    return 0
+
+
+cdef inline void _pin(chm_ctx* c, uint64_t f, uint64_t until, uint64_t ready) noexcept nogil:
+    """One more hold on frame f; a lapsed pin's holders are forgotten first."""
+    cdef chm_pin* p = &c.pins[f]
+    if not _pinned(c, f, until - c.pin_ns):
+        p.count = 0
+    p.count += 1
+    p.until_ns = until
+    if ready:
+        p.ready_ns = ready
+
+
+cdef uint64_t _pf_release(chm_ctx* c, uint64_t p0, uint64_t p1, bint wait) noexcept nogil:
+    """RELEASE: one hold less on each page of [p0, p1], and a page nobody holds is the
+    clock's first choice (consumed KV is one-hit). WAIT: when the last of them lands."""
+    cdef uint64_t pg, last = 0
+    cdef long g
+    cdef chm_pin* p
+    for pg in range(p0, p1 + 1):
+        g = _frame_of(c, pg)
+        if g < 0 or <uint64_t>g >= c.cpu_frames:
+            continue
+        p = &c.pins[g]
+        if wait:
+            last = max(last, p.ready_ns)
+        elif p.count:
+            p.count -= 1
+            if p.count == 0:
+                p.until_ns = 0
+                c.ftab[g] &= ~(<uint64_t>CHM_F_REF)
+    return last
+
+
+cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
+    """One hint under the device lock; then wait for the SSD time it queued (DRAIN) or
+    for the range to land (WAIT). PREFETCH returns without waiting."""
+    cdef uint64_t cost = 0, end = 0, t0, p0 = 0, p1 = 0
+    cdef int rc
+    if kind >= CXL_HINT_PREFETCH:
+        if b == 0 or a >= c.region_size or b > c.region_size - a:
+            return CXLRT_E_RANGE
+        p0 = a // c.page
+        p1 = (a + b - 1) // c.page
+    rc = _lock(c)
+    if rc != 0:
+        return rc
+    t0 = cxl_now_ns()
+    if kind == CXL_HINT_PREFETCH:
+        rc = _prefetch(c, p0, p1, t0)
+    elif kind == CXL_HINT_WAIT:
+        end = _sane(_pf_release(c, p0, p1, True), t0)
+    elif kind == CXL_HINT_RELEASE:
+        _pf_release(c, p0, p1, False)
     else:
-        n = _wb_flush(c, c.wb_frames, &cost)
-        rc = <int>n if n < 0 else 0
-        if rc == 0:  # everything is on the SSD once this request ends
-            _wb_recount(c)
-            c.h.bg_pages = 0
-            c.h.bg_free_ns = 0
-    end = _charge(c, t0, cost)
+        rc = _admit_drain(c, kind, a, b, t0, &cost)
+        end = _charge(c, t0, cost)
     cxl_mutex_unlock(c.lock)
-    if end:
+    if end > t0:
         _wait_until(end)
     return rc
 
@@ -584,8 +730,14 @@ cdef int _hint_in(chm_ctx* c, int kind, uint64_t a, uint64_t b) noexcept nogil:
 cdef int chm_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
     cdef chm_ctx* c = <chm_ctx*>ctx
     cdef int rc
-    if (kind != CXL_HINT_ADMIT and kind != CXL_HINT_DRAIN) or c.wb_frames == 0:
-        return CXLRT_E_UNSUPPORTED  # no write buffer: every write goes to its tier at once
+    if kind == CXL_HINT_ADMIT or kind == CXL_HINT_DRAIN:
+        if c.wb_frames == 0:
+            return CXLRT_E_UNSUPPORTED  # no write buffer: every write goes to its tier at once
+    elif kind == CXL_HINT_PREFETCH or kind == CXL_HINT_WAIT or kind == CXL_HINT_RELEASE:
+        if c.policy != CHM_STAGING:
+            return CXLRT_E_UNSUPPORTED  # the transparent cache takes no advice
+    else:
+        return CXLRT_E_UNSUPPORTED
     cxl_atomic_add_relaxed64(&c.inflight, 1)
     cxl_fence_full()  # as _access: close() waits for us
     if unlikely(cxl_atomic_load_acquire32(c.closed) != 0):
@@ -603,7 +755,7 @@ cdef cxl_ops CHM_OPS = cxl_ops(
 
 _STATS = ("hits", "fills", "writebacks", "direct_reads", "direct_writes", "ssd_read_bytes",
           "ssd_write_bytes", "dram_bytes", "busy_ns", "repairs", "buffered", "flushes",
-          "admits", "refusals")
+          "admits", "refusals", "prefetched", "prefetch_refusals")
 assert len(_STATS) == CHM_NSTATS
 
 PARAMS = _side.PARAMS
@@ -641,6 +793,8 @@ cdef class ChmBackend(Backend):
         self.c.lock = <pthread_mutex_t*>(side + CHM_LOCK_OFFSET)
         self.c.pmap = <uint32_t*>(side + <size_t>geo["pmap"])
         self.c.ftab = <uint64_t*>(side + <size_t>geo["ftab"])
+        self.c.pins = <chm_pin*>(side + <size_t>geo["pins"])
+        self.c.pin_ns = params["pin"]
         self.c.dram = side + <size_t>geo["data"]
         self.c.page = geo["page"]
         self.c.frames = geo["frames"]
@@ -700,6 +854,16 @@ cdef class ChmBackend(Backend):
                 n += 1
                 d += (self.c.ftab[f] & CHM_F_DIRTY) != 0
         return n, d
+
+    def pinned(self):
+        """Frames a prefetch holds now and the holds on them: (frames, holds)."""
+        cdef uint64_t f, n = 0, holds = 0, now = cxl_now_ns()
+        self.region()
+        for f in range(self.c.cpu_frames):
+            if _pinned(&self.c, f, now):
+                n += 1
+                holds += self.c.pins[f].count
+        return n, holds
 
     def write_buffer(self):
         """The write buffer's frames and how many of them await write-back: (frames,

@@ -20,9 +20,9 @@ from cxlrt.shm import init_robust_mutexes
 from cxlrt.spec import parse_float_range, parse_int_range, parse_size
 
 MAGIC = int.from_bytes(b"CXLCHM01", "little")
-VERSION = 2
-HEADER = struct.Struct("<QIIQQQQQQQddQQ")  # magic, version, policy, page, frames, pages,
-#                                   region_size, dev, ino, lat, bw, wbw, wb_frames, wb_idle
+VERSION = 3
+HEADER = struct.Struct("<QIIQQQQQQQddQQQ")  # magic, version, policy, page, frames, pages,
+#                              region_size, dev, ino, lat, bw, wbw, wb_frames, wb_idle, pin
 HEADER_BYTES = 4096
 LOCK_OFFSET = 1024
 POLICIES = ("lru", "staging")
@@ -73,8 +73,15 @@ PARAMS = {
     "wbuf": (parse_size, 0, "staging: bytes of DRAM kept as the write buffer (0 = none)"),
     "wbidle": (_idle, 50000, "ns the SSD must have been idle (no reads) before the write "
                "buffer flushes; never: only drain() flushes it"),
+    "pin": (parse_int_range(10**6, 10**12), 5 * 10**9,
+            "staging: ns a prefetched page stays pinned in DRAM unless released first "
+            "(the pins of a requester that died lapse then)"),
 }
 """Spec parameters of ``chm:``: name -> (parser, default, description)."""
+
+
+PIN_BYTES = 24
+"""A frame's pin-table entry: ready, until, count (chm.pxd chm_pin)."""
 
 
 def _align(n: int, a: int) -> int:
@@ -101,9 +108,11 @@ def geometry(region_size: int, params: dict) -> dict[str, int]:
                          "many; use a larger page=")
     pmap = HEADER_BYTES
     ftab = _align(pmap + 4 * pages, 64)
-    data = _align(ftab + 8 * frames, max(page, MIN_PAGE))
+    pins = _align(ftab + 8 * frames, 64)
+    data = _align(pins + PIN_BYTES * frames, max(page, MIN_PAGE))
     return {"page": page, "pages": pages, "frames": frames, "wb_frames": wb_frames,
-            "pmap": pmap, "ftab": ftab, "data": data, "total": data + frames * page}
+            "pmap": pmap, "ftab": ftab, "pins": pins, "data": data,
+            "total": data + frames * page}
 
 
 def _read_header(path: str):
@@ -111,13 +120,13 @@ def _read_header(path: str):
     if head is None:
         return None
     raw, size = head
-    magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw, wb, idle = \
-        HEADER.unpack(raw)
+    (magic, version, policy, page, frames, pages, rsize, dev, ino, lat, bw, wbw, wb, idle,
+     pin) = HEADER.unpack(raw)
     if magic != MAGIC or policy >= len(POLICIES):
         return None
     return {"version": version, "policy": POLICIES[policy], "page": page, "frames": frames,
             "pages": pages, "region_size": rsize, "dev": dev, "ino": ino, "lat": lat, "bw": bw,
-            "wbw": wbw, "wb_frames": wb, "wbidle": idle, "bytes": size}
+            "wbw": wbw, "wb_frames": wb, "wbidle": idle, "pin": pin, "bytes": size}
 
 
 def _build(path: str, geo: dict, params: dict, region_size: int, dev: int, ino: int) -> str:
@@ -134,7 +143,8 @@ def _build(path: str, geo: dict, params: dict, region_size: int, dev: int, ino: 
         init_robust_mutexes(m, LOCK_OFFSET, 1, 64)
         HEADER.pack_into(m, 0, MAGIC, VERSION, POLICIES.index(params["policy"]), geo["page"],
                          geo["frames"], geo["pages"], region_size, dev, ino, params["lat"],
-                         params["bw"], params["wbw"], geo["wb_frames"], params["wbidle"])
+                         params["bw"], params["wbw"], geo["wb_frames"], params["wbidle"],
+                         params["pin"])
     finally:
         m.close()
     return tmp
@@ -166,14 +176,15 @@ def attach(region_path: str, region_size: int, params: dict) -> tuple[Mapping, d
                              f"(format {hdr['version']}, this one reads {VERSION}); remove it "
                              "to start empty")
         have = (hdr["policy"], hdr["page"], hdr["frames"], hdr["lat"], hdr["bw"], hdr["wbw"],
-                hdr["wb_frames"], hdr["wbidle"])
+                hdr["wb_frames"], hdr["wbidle"], hdr["pin"])
         want = (params["policy"], geo["page"], geo["frames"], params["lat"], params["bw"],
-                params["wbw"], geo["wb_frames"], params["wbidle"])
+                params["wbw"], geo["wb_frames"], params["wbidle"], params["pin"])
         if have != want:
             raise ValueError(
                 f"chm:{region_path}: the device was set up with policy={have[0]}, "
                 f"page={have[1]}, dram={have[1] * have[2]}, lat={have[3]}, bw={have[4]:g}, "
-                f"wbw={have[5]:g}, wbuf={have[1] * have[6]}, wbidle={_idle_text(have[7])}; "
+                f"wbw={have[5]:g}, wbuf={have[1] * have[6]}, wbidle={_idle_text(have[7])}, "
+                f"pin={have[8]}; "
                 "open it with those parameters (its DRAM may hold data not "
                 f"yet on the SSD, and one device has one SSD), or remove {side!r} to start "
                 "empty")

@@ -13,7 +13,10 @@ median of ``--reps`` repetitions of the read. Under ``lru`` every read goes thro
 device DRAM: once the prefix outgrows it, each page is a miss (one SSD request each)
 and the blocks stored last turn are written back in the middle of the reads. Under
 ``staging`` DMA reads of pages not in DRAM are one sequential SSD request per block
-and nothing is filled, so reads stay at the SSD's streaming bandwidth.
+and nothing is filled, so reads stay at the SSD's streaming bandwidth. A third device,
+``staging`` with the window in device DRAM (``StagingWindow(device=True)``, HyMCache's
+own design: the device stages each block, header included, and the host reads it from
+DRAM), serves the same turns.
 
 The SSD is modelled (latency per request, bandwidth), so the ratio is this model's
 consequence of its parameters, not a hardware figure: a longer latency or a smaller
@@ -38,21 +41,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _chm import add_device_args, add_output_args, device_spec, save  # noqa: E402
 
 MIB = 1 << 20
+DEVICES = ("lru", "staging", "staging_dev")
 
 
 class Device:
     """One device, its KV cache and a staging window: the runtime, unchanged."""
 
-    def __init__(self, root: str, policy: str, a: argparse.Namespace, nblocks: int):
-        self.policy = policy
+    def __init__(self, root: str, name: str, a: argparse.Namespace, nblocks: int):
+        self.policy = name
+        policy, _, where = name.partition("_")
         mib = 2 * nblocks * a.block + 64  # blocks (a header each may round one up) + metadata
-        self.region = cxlrt.open(device_spec(os.path.join(root, policy), policy, a), node=0,
+        self.region = cxlrt.open(device_spec(os.path.join(root, name), policy, a), node=0,
                                  create=True, size=f"{mib}M", nodes=1)
         self.bb = a.block * MIB
         self.cache = cxlrt.KVCache(self.region, "turns", block_bytes=self.bb,
                                    capacity_blocks=nblocks)
-        self.window = cxlrt.StagingWindow(self.region, size=a.window * self.bb,
-                                          slots=a.window)
+        # A device window stages each block with its header: a page more per slot.
+        self.window = cxlrt.StagingWindow(
+            self.region, size=a.window * (self.bb + (a.page << 10 if where else 0)),
+            slots=a.window, device=where == "dev")
 
     def store(self, keys, blocks) -> None:
         assert self.cache.store(keys, blocks) == keys
@@ -73,8 +80,8 @@ class Device:
 
 
 def run(a: argparse.Namespace, progress=None) -> dict:
-    """Every turn on both devices; {"params", "turns": [{turn, prefix_mib, x_dram,
-    lru_gbps, staging_gbps, ratio}]}."""
+    """Every turn on the three devices; {"params", "turns": [{turn, prefix_mib, x_dram,
+    lru_gbps, staging_gbps, staging_dev_gbps, ratio, ratio_dev}]}."""
     nblocks = a.turns * a.grow
     keys = cxlrt.block_hashes(range(16 * nblocks), 16, salt=b"chm-turns")
     rng = np.random.default_rng(a.seed)
@@ -82,7 +89,7 @@ def run(a: argparse.Namespace, progress=None) -> dict:
     os.environ["CXLRT_LOCAL_DIR"] = root  # node-local files go with it, not into /dev/shm
     devs = []
     try:
-        devs = [Device(root, p, a, nblocks) for p in ("lru", "staging")]
+        devs = [Device(root, p, a, nblocks) for p in DEVICES]
         out = np.empty((nblocks, devs[0].bb), np.uint8)
         truth = np.empty_like(out)  # every block as stored
         rows = []
@@ -101,6 +108,7 @@ def run(a: argparse.Namespace, progress=None) -> dict:
                         assert np.array_equal(out[:lo], truth[:lo]), (d.policy, t)
                     row[f"{d.policy}_gbps"] = lo * d.bb / statistics.median(times) / 1e9
                 row["ratio"] = row["staging_gbps"] / row["lru_gbps"]
+                row["ratio_dev"] = row["staging_dev_gbps"] / row["lru_gbps"]
                 rows.append(row)
                 if progress:
                     progress(row)
@@ -123,7 +131,9 @@ def plot(result: dict, path: str) -> None:
     x = [r["x_dram"] for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     ax.plot(x, [r["lru_gbps"] for r in rows], "o-", label="lru (transparent DRAM cache)")
-    ax.plot(x, [r["staging_gbps"] for r in rows], "s-", label="staging (HyMCache)")
+    ax.plot(x, [r["staging_gbps"] for r in rows], "s-", label="staging, window in host memory")
+    ax.plot(x, [r["staging_dev_gbps"] for r in rows], "^-",
+            label="staging, window in device DRAM (HyMCache)")
     p = result["params"]
     if p["bw"]:
         ax.axhline(p["bw"], color="grey", ls=":", label=f"SSD model {p['bw']} GB/s")
@@ -131,7 +141,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("read GB/s (median of reps)")
     ax.set_title("read bandwidth per turn")
     ax.legend(fontsize=8)
-    bx.plot(x, [r["ratio"] for r in rows], "o-", color="C2")
+    bx.plot(x, [r["ratio"] for r in rows], "s-", color="C1", label="host window")
+    bx.plot(x, [r["ratio_dev"] for r in rows], "^-", color="C2", label="device window")
     bx.axhline(2.0, color="grey", ls=":", label="target 2x at 4x DRAM")
     bx.axvline(4.0, color="grey", ls="--", lw=0.8)
     bx.set_xlabel("reusable prefix / device DRAM")
@@ -164,11 +175,12 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             parser().error(f"--{name} must be at least 1")
     print(f"{'turn':>4} {'prefix MiB':>10} {'x DRAM':>7} {'lru GB/s':>9} {'staging GB/s':>12} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'device-window GB/s':>18} {'ratio':>6}")
 
     def show(r: dict) -> None:
         print(f"{r['turn']:>4} {r['prefix_mib']:>10} {r['x_dram']:>7.2f} {r['lru_gbps']:>9.2f} "
-              f"{r['staging_gbps']:>12.2f} {r['ratio']:>6.2f}", flush=True)
+              f"{r['staging_gbps']:>12.2f} {r['ratio']:>6.2f} {r['staging_dev_gbps']:>18.2f} "
+              f"{r['ratio_dev']:>6.2f}", flush=True)
 
     save(run(a, show), a, plot)
     return 0

@@ -123,7 +123,8 @@ def test_modelled_ssd_time_adds_up(region_dir, policy):
     r.close()
 
 
-@pytest.mark.parametrize("other", ["policy=staging", "dram=128K", "lat=5", "bw=2", "wbw=1"])
+@pytest.mark.parametrize("other", ["policy=staging", "dram=128K", "lat=5", "bw=2", "wbw=1",
+                                   "pin=2000000"])
 def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
     r = _open(region_dir, "lru")
     kw = dict(p.split("=") for p in other.split("&"))
@@ -144,6 +145,7 @@ def test_other_parameters_on_a_live_device_are_refused(region_dir, other):
     ("policy=lru&wbuf=16K", "wbuf= is the staging policy's write buffer"),
     ("policy=staging&page=4K&dram=64K&wbuf=64K", "leaves no DRAM for the cache"),
     ("policy=staging&wbidle=soon", "expected ns from 0 to 10.*12, or never"),
+    ("policy=staging&pin=999", "pin"),
 ])
 def test_bad_parameters_are_clear_errors(region_dir, spec, match):
     with pytest.raises(ValueError, match=match):

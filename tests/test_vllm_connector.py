@@ -167,6 +167,29 @@ def test_a_second_engine_on_another_node_hits_the_firsts_blocks(env, both):
     assert hit["rounds"][0]["cached"] == [3 * BLOCK]
 
 
+def test_an_engine_on_a_cxl_hm_device_prefetches_at_the_lookup(env):
+    """HyMCache's request-level prefetch from a real engine: the scheduler's lookup asks
+    the device to stage the hit, the worker's load reads it from device DRAM, and the
+    tokens are those of the engine without the connector."""
+    path = f"/dev/shm/cxlrt-vllm-chm-{uuid.uuid4().hex[:8]}"
+    spec = f"chm:{path}?policy=staging&dram=16M&page=64K&lat=20000&bw=4"
+    try:
+        got = _job(env["tmp"], "chm", {
+            "model": env["model"], "connector": "cxlrt",
+            "extra": {**_extra(env, 0, name="chm"), "spec": spec},
+            "rounds": [{"prompts": P}, {"prompts": P, "reset": True}]})
+    finally:
+        for p in (path, path + ".chm"):
+            if os.path.exists(p):
+                os.unlink(p)
+    _same(got["rounds"][1], env["base"]["rounds"][0], "served from the device")
+    assert all(c >= 3 * BLOCK for c in got["rounds"][1]["cached"])
+    assert got["scheduler"]["prefetched_blocks"] >= 3, got["scheduler"]
+    assert got["worker"]["loaded_blocks"] >= 3 and got["worker"]["load_errors"] == 0
+    assert got["device"]["stats"]["prefetched"] > 0, got["device"]
+    assert got["device"]["pinned"] == [0, 0] and got["held"] == 0
+
+
 def test_a_block_evicted_between_lookup_and_load_is_recomputed(env):
     ev = _job(env["tmp"], "evict", {
         "model": env["model"], "connector": "cxlrt",
@@ -316,6 +339,50 @@ def test_preempted_and_relooked_up_requests_leave_no_pins(sched):
     side.request_finished(req)
     assert side.held() == 0
     assert _evictable(cache, 8) == 8
+
+
+def test_the_lookup_prefetches_the_hit_into_the_device_until_the_load_is_reported(sched):
+    """HyMCache's request-level prefetch from the engine: issued at the lookup, held
+    until the worker reports the load. Only a device that stages objects takes it."""
+    from types import SimpleNamespace
+    side, cache = sched
+    _seed(cache, 4)
+    stages = cache.region.backend.scheme == "chm" and "staging" in cache.region.spec
+    req = _request("pf", TOKENS)
+    assert side.get_num_new_matched_tokens(req, BLOCK) == 3 * BLOCK
+    assert side.counters["prefetched_blocks"] == (3 if stages else 0)  # past vLLM's block 0
+    if stages:
+        assert cache.region.backend.pinned()[0] > 0
+    side.update_state_after_alloc(req, _blocks(range(6)), 3 * BLOCK)
+    out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                                                                num_computed_tokens=[]),
+                          preempted_req_ids=set())
+    side.build_connector_meta(out)
+    side.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=SimpleNamespace(loaded={"pf"})))
+    if stages:
+        assert cache.region.backend.pinned() == (0, 0)  # given back with the pins
+    side.request_finished(req)
+    assert side.held() == 0
+
+
+def test_prefetch_can_be_turned_off_and_options_are_checked(backend):
+    from cxlrt.integrations.vllm_config import Settings
+    from cxlrt.integrations.vllm_scheduler import SchedulerSide
+    r = backend.create(size="8M", nodes=4)
+    cache = cxlrt.KVCache(r, "unit", block_bytes=256, capacity_blocks=8, block_tokens=BLOCK,
+                          salt="unit")
+    side = SchedulerSide(Settings.from_extra({"prefetch": False}), [cache], BLOCK, load=True,
+                         save=True)
+    _seed(cache, 3)
+    assert side.get_num_new_matched_tokens(_request("n", TOKENS), 0) == 3 * BLOCK
+    assert side.counters["prefetched_blocks"] == 0
+    side.close()
+    with pytest.raises(ValueError, match="prefetch must be true or false"):
+        Settings.from_extra({"prefetch": "yes"})
+    cache.close()
+    r.close()
 
 
 # --- worker side, on tensors shaped like vLLM's CPU KV cache ------------------------------

@@ -100,6 +100,9 @@ def run(job):
         out["held"] = sched.scheduler.held()
     if worker is not None and hasattr(worker, "stats"):
         out["worker"] = worker.stats()
+        device = worker.worker.cache.region.backend if worker.worker is not None else None
+        if hasattr(device, "pinned"):  # a chm: device: what it staged, and what it still holds
+            out["device"] = {"stats": device.stats(), "pinned": list(device.pinned())}
     return out
 
 

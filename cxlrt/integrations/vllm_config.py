@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "model_id": None,                    # names the model in the salt; None: model path
     "load_timeout_s": 5.0,               # a step's loads past this are recomputed instead
     "pin_until_load": True,              # the scheduler's lookup pins until the worker loaded
+    "prefetch": True,                    # the lookup asks the device to stage the hit (CXL-HM)
     "_fault": None,                      # test hook: "evict-before-load"
 }
 
@@ -48,6 +49,7 @@ class Settings:
     model_id: str | None
     load_timeout_s: float
     pin_until_load: bool
+    prefetch: bool
     _fault: str | None
 
     @classmethod
@@ -62,6 +64,9 @@ class Settings:
             v = merged[k]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"CxlrtConnector: {k} must be a non-negative int, got {v!r}")
+        for k in ("pin_until_load", "prefetch"):
+            if not isinstance(merged[k], bool):
+                raise ValueError(f"CxlrtConnector: {k} must be true or false, got {merged[k]!r}")
         if merged["_fault"] not in (None, "evict-before-load"):
             raise ValueError(f"CxlrtConnector: unknown _fault {merged['_fault']!r}")
         return cls(**merged)

@@ -7,15 +7,26 @@ is looked up again (vLLM may ask more than once, and asks again after a
 preemption), when it gets no external tokens, and when it finishes or is
 aborted. The worker pins again on its own, so a pin given back early can only
 turn a hit into a recomputation, never into wrong KV.
+
+On a device that stages objects in its own memory (a CXL-HM device, ``chm:`` under
+policy=staging) the lookup also asks it to stage the blocks vLLM will load
+(HyMCache's request-level prefetch, issued at get_num_new_matched_tokens). The
+device's holds go with the hits' pins. The worker needs no handle: its reads in
+start_load_kv find the blocks in device DRAM, and a read of a block still landing
+waits for it there. Prefetch is advice: where the device has no room, or takes
+none, the worker reads the capacity tier.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from cxlrt.integrations.vllm_config import Settings, request_parent
 from cxlrt.integrations.vllm_meta import BlockMove, CxlrtMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,7 +54,7 @@ class SchedulerSide:
         self.inflight: dict[str, list[Any]] = {}  # req id -> Hits until the worker loaded
         self.kv_cache_manager: Any = None
         self.counters = {"lookups": 0, "hit_blocks": 0, "planned_loads": 0,
-                         "planned_saves": 0}
+                         "planned_saves": 0, "prefetched_blocks": 0}
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -102,10 +113,20 @@ class SchedulerSide:
         st.hit_blocks = n
         if self.settings.pin_until_load:
             st.hits = hits
+            if self.settings.prefetch:
+                self._prefetch(hits, num_computed_tokens // self.bs)
         else:
             for h in hits:
                 h.release()
         return n * self.bs - num_computed_tokens
+
+    def _prefetch(self, hits: list[Any], start: int) -> None:
+        """Ask the device to stage the blocks past vLLM's own hit, in order."""
+        for h in hits:
+            try:
+                self.counters["prefetched_blocks"] += h.cache.prefetch(h, start=start)
+            except Exception as e:  # advice only: a block gone stale is the load's to report
+                log.debug("CxlrtConnector: prefetch skipped: %s", e)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         st = self.reqs.get(request.request_id)

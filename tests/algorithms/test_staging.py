@@ -468,32 +468,9 @@ def test_a_hit_whose_window_is_held_by_another_loads_directly(backend):
     r.close()
 
 
-def _prefetching_reader(case, node, keys, rounds):
-    """Look up, prefetch through this process's window, load, check every byte."""
-    r = case.open(node)
-    cache = cxlrt.KVCache(r, "staged", block_bytes=32 * KIB, capacity_blocks=24)
-    loaded = 0
-    with StagingWindow(r, size=3 * 32 * KIB, slots=3) as w:
-        for _ in range(rounds):
-            with cache.lookup(keys) as hit:
-                cache.prefetch(hit, w)
-                out = cache.load(hit)
-                for i in range(len(hit)):
-                    assert np.array_equal(out[i], _block(keys[i], 32 * KIB)), f"block {i}"
-                loaded += len(hit)
-                short = len(hit) < len(keys)
-            if short:  # evicted meanwhile: put the chain back, as an engine would
-                cache.store(keys, [_block(k, 32 * KIB) for k in keys])
-    cache.close()
-    r.close()
-    return loaded
-
-
-def test_prefetching_readers_never_see_another_writers_bytes(backend):
-    """Readers on three nodes prefetch and load while node 0 keeps storing new blocks
-    into a cache too small for all of them, evicting whatever is not pinned."""
-    r = backend.create(size="16M", nodes=4)
-    cache, keys, _ = _kv(r, 10, cap=24)
+def churning(cache, work):
+    """work() while this process keeps storing new blocks into `cache`, evicting
+    whatever is not pinned; its result."""
     stop = threading.Event()
 
     def churn():
@@ -506,11 +483,45 @@ def test_prefetching_readers_never_see_another_writers_bytes(backend):
     t = threading.Thread(target=churn)
     t.start()
     try:
-        got = raise_failures(run_procs(_prefetching_reader,
-                                       [(backend, n, keys, 15) for n in (1, 2, 3)]))
+        return work()
     finally:
         stop.set()
         t.join(timeout=60)
+
+
+def prefetching_reader(case, node, keys, rounds, where="host"):
+    """Look up, prefetch, load, check every byte. `where` the blocks are staged: "host"
+    (a window in this process), "device" (a device window), "none" (the device itself,
+    no window)."""
+    r = case.open(node)
+    cache = cxlrt.KVCache(r, "staged", block_bytes=32 * KIB, capacity_blocks=24)
+    w = (StagingWindow(r, size=3 * 33 * KIB, slots=3, device=where == "device")
+         if where != "none" else None)
+    loaded = 0
+    for _ in range(rounds):
+        with cache.lookup(keys) as hit:
+            cache.prefetch(hit, w)
+            out = cache.load(hit)
+            for i in range(len(hit)):
+                assert np.array_equal(out[i], _block(keys[i], 32 * KIB)), f"block {i}"
+            loaded += len(hit)
+            short = len(hit) < len(keys)
+        if short:  # evicted meanwhile: put the chain back, as an engine would
+            cache.store(keys, [_block(k, 32 * KIB) for k in keys])
+    if w is not None:
+        w.close()
+    cache.close()
+    r.close()
+    return loaded
+
+
+def test_prefetching_readers_never_see_another_writers_bytes(backend):
+    """Readers on three nodes prefetch and load while node 0 keeps storing new blocks
+    into a cache too small for all of them, evicting whatever is not pinned."""
+    r = backend.create(size="16M", nodes=4)
+    cache, keys, _ = _kv(r, 10, cap=24)
+    got = churning(cache, lambda: raise_failures(run_procs(
+        prefetching_reader, [(backend, n, keys, 15) for n in (1, 2, 3)])))
     assert all(g > 0 for g in got), got  # every reader loaded blocks through its window
     cache.close()
     r.close()

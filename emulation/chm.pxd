@@ -7,6 +7,10 @@
 #    names a frame whose entry names the page back; otherwise they are in the file.
 #  - Every access takes the device lock (robust, timed): the controller's tables
 #    change only under it, in an order _repair() can finish after a holder dies.
+#  - One exception for bytes, never for tables: a DMA read whose pages are all in DRAM
+#    copies them outside the lock, then checks under it that no frame's gen moved (a
+#    writer or a reuse bumps it, under the lock, before touching the frame); a read that
+#    raced one is done again under the lock. Reads are atomic as before.
 #  - A frame entry is 0 (free) or (page + 1) << 8 | CHM_F_* flags.
 #  - Under staging with wbuf=, the last frames are a write buffer that only DMA writes
 #    of pages not in DRAM fill; the clock never evicts them. A dirty buffer frame
@@ -88,11 +92,14 @@ ctypedef struct chm_hdr:
 
 
 ctypedef struct chm_pin:
-    # One per frame (the sidecar's pin table), under the device lock. Meaningful only
-    # while the frame holds a page a prefetch staged; _victim resets it on reuse.
+    # One per frame (the sidecar's pin table), under the device lock. ready, until and
+    # count are meaningful only while the frame holds a page a prefetch staged; _victim
+    # resets them on reuse.
     uint64_t ready_ns         # when the prefetch's modelled SSD read of the page ends
     uint64_t until_ns         # the pin lapses then (a dead holder never releases)
     uint64_t count            # prefetches not yet released
+    uint64_t gen              # bumped before the frame's bytes change or it is reused:
+    #                           a read that copied outside the lock checks it (a seqlock)
 
 
 ctypedef struct chm_ctx:
@@ -121,6 +128,7 @@ ctypedef struct chm_ctx:
     double read_bpns          # modelled SSD read bandwidth, bytes/ns (0 = unlimited)
     double write_bpns         # modelled SSD write bandwidth, bytes/ns (0 = unlimited)
     uint64_t lock_timeout_ns  # a device lock not had in this long is an error
+    int no_seqlock            # test hook (debug builds): reads outside the lock go unchecked
 
 
 cdef class ChmBackend(Backend):

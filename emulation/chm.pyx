@@ -21,7 +21,8 @@ device, as hosts on a CXL switch do. Two policies (``policy=``):
 
 SSD time is modelled (``lat``, ``bw``, ``wbw``) on one device-wide timeline: work
 queued by any process delays every later request, as on one SSD. The device
-serialises accesses, so the medium is coherent: host-cache non-coherence is emu:'s
+serialises accesses (a DMA read served from DRAM is copied outside its lock and
+checked after, as a seqlock reader), so the medium is coherent: host-cache non-coherence is emu:'s
 subject, not this model's. A process stopped (SIGSTOP) inside the device's lock
 stalls the device until it resumes; after ``lock_timeout`` the others get an I/O
 error rather than hang. A process killed there is recovered by _repair().
@@ -37,9 +38,9 @@ from posix.unistd cimport close, pread, pwrite
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
                             CXL_HINT_ADMIT, CXL_HINT_DRAIN, CXL_HINT_PREFETCH,
                             CXL_HINT_REFUSED, CXL_HINT_RELEASE, CXL_HINT_WAIT, cxl_ops)
-from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_acquire32,
-                                    cxl_atomic_load_relaxed64, cxl_fence_full, cxl_now_ns,
-                                    cxl_spin_ns, unlikely)
+from cxlrt.includes.intrin cimport (CXLRT_DEBUG, CXLRT_TEST_HOOK, cxl_atomic_add_relaxed64,
+                                    cxl_atomic_load_acquire32, cxl_atomic_load_relaxed64,
+                                    cxl_fence_full, cxl_now_ns, cxl_spin_ns, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_timedlock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_IO, CXLRT_E_NOMEM, CXLRT_E_RANGE,
@@ -62,6 +63,10 @@ cdef enum:
     # A prefetch reads at most this many pages as one SSD request (16 MiB of 64 KiB
     # pages: a KV block of the paper's size in one sequential read).
     CHM_PF_RUN = 256
+    # A DMA read of at most this many pages, all in DRAM, copies outside the device lock
+    # and then checks that no frame changed meanwhile (as a device serves DRAM reads in
+    # parallel); the device lock then serialises only the controller's work.
+    CHM_FAST_PAGES = 64
 
 # --- the SSD --------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:
             if w & CHM_F_REF:
                 c.ftab[f] = w & ~(<uint64_t>CHM_F_REF)
                 continue
-        c.pins[f] = chm_pin(ready_ns=0, until_ns=0, count=0)
+        c.pins[f] = chm_pin(ready_ns=0, until_ns=0, count=0, gen=c.pins[f].gen + 1)
         if w == 0:
             return <long>f
         pg = (w >> 8) - 1
@@ -241,6 +246,7 @@ cdef long _wb_take(chm_ctx* c, uint64_t pg, bint read, uint64_t* cost) noexcept 
             if q < c.pages and c.pmap[q] == f + 1:
                 c.pmap[q] = 0
         c.h.wb_hand = (f - c.cpu_frames + 1) % c.wb_frames
+        c.pins[f].gen += 1
         c.ftab[f] = ((pg + 1) << 8) | CHM_F_FILL
         if read:
             rc = _ssd_page(c, f, pg, False, cost)
@@ -334,6 +340,7 @@ cdef void _repair(chm_ctx* c) noexcept nogil:
     page being elsewhere."""
     cdef uint64_t f, w, pg, cost = 0
     for f in range(c.frames):
+        c.pins[f].gen += 1  # a read copying outside the lock starts again
         w = c.ftab[f]
         pg = (w >> 8) - 1
         if w != 0 and (pg >= c.pages or (w & CHM_F_FILL) or not (w & CHM_F_VALID)):
@@ -444,6 +451,52 @@ cdef int _access(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
     return rc
 
 
+cdef int _read_hits(chm_ctx* c, uint64_t off, char* buf, uint64_t n) noexcept nogil:
+    """A DMA read whose pages are all in DRAM, copied outside the device lock (called
+    and returning with it held, unless it returns 0 or an error: then it is let go).
+    Each frame's gen is noted under the lock and checked under it again after the
+    copy; a frame reused or written meanwhile changed its gen first, and the read is
+    then done again under the lock (1). 1 too when a page is not in DRAM."""
+    cdef uint64_t p0 = off // c.page, p1 = (off + n - 1) // c.page, pg, k, a, t0, landed
+    cdef uint64_t frames[CHM_FAST_PAGES]
+    cdef uint64_t gens[CHM_FAST_PAGES]
+    cdef long f
+    cdef int rc
+    if p1 - p0 >= CHM_FAST_PAGES:
+        return 1
+    for pg in range(p0, p1 + 1):
+        f = _frame_of(c, pg)
+        if f < 0:
+            return 1
+        frames[pg - p0] = <uint64_t>f
+        gens[pg - p0] = c.pins[f].gen
+    t0 = cxl_now_ns()
+    landed = t0
+    for pg in range(p0, p1 + 1):
+        f = <long>frames[pg - p0]
+        c.ftab[f] |= CHM_F_REF
+        if <uint64_t>f < c.cpu_frames:  # a prefetched page lands when its read ends
+            landed = max(landed, _sane(c.pins[f].ready_ns, t0))
+    c.h.st[CHM_ST_HITS] += p1 - p0 + 1
+    c.h.st[CHM_ST_DRAM_BYTES] += n
+    cxl_mutex_unlock(c.lock)
+    if landed > t0:
+        _wait_until(landed)
+    a = off
+    for pg in range(p0, p1 + 1):
+        k = min(n - (a - off), (pg + 1) * c.page - a)
+        memcpy(buf + (a - off), c.dram + frames[pg - p0] * c.page + (a - pg * c.page), k)
+        a += k
+    rc = _lock(c)
+    if rc != 0:
+        return rc
+    for pg in range(p0, p1 + 1):
+        if c.pins[frames[pg - p0]].gen != gens[pg - p0] and not CXLRT_TEST_HOOK(c.no_seqlock):
+            return 1
+    cxl_mutex_unlock(c.lock)
+    return 0
+
+
 cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                     bint dma) noexcept nogil:
     """Move n bytes between buf and the device at off through the policy; then wait
@@ -455,6 +508,11 @@ cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
     cdef int rc = _lock(c)
     if rc != 0:
         return rc
+    if dma and not write and n >= c.page:
+        rc = _read_hits(c, off, buf, n)
+        if rc != 1:
+            return rc  # done (0), or an error; with the lock let go
+        rc = 0  # not all in DRAM, or a frame changed under the copy: the locked path
     # The model's clock starts when the device takes the request: the real copies
     # below are part of the modelled time, not added to it.
     t0 = cxl_now_ns()
@@ -516,6 +574,7 @@ cdef int _access_in(chm_ctx* c, uint64_t off, char* buf, uint64_t n, bint write,
                 # Dirty before the copy: a holder killed mid-copy leaves a torn store
                 # that is written back, never one that shows and then vanishes.
                 _dirty_hit(c, <uint64_t>f)
+                c.pins[f].gen += 1
                 memcpy(c.dram + f * c.page + a, buf, k)
             else:
                 c.ftab[f] |= CHM_F_REF
@@ -759,6 +818,16 @@ _STATS = ("hits", "fills", "writebacks", "direct_reads", "direct_writes", "ssd_r
 assert len(_STATS) == CHM_NSTATS
 
 PARAMS = _side.PARAMS
+
+
+def _break_seqlock(ChmBackend b):
+    """Make this process's DMA reads trust a copy made outside the device lock without
+    checking that no frame changed under it: the broken protocol the tests must catch
+    (a read torn by a concurrent write)."""
+    from cxlrt.errors import DebugBuildRequired
+    if not CXLRT_DEBUG:
+        raise DebugBuildRequired()
+    b.c.no_seqlock = 1
 
 
 @cython.no_gc_clear  # a beat thread may still be inside the device: keep the sidecar

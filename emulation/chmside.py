@@ -80,8 +80,8 @@ PARAMS = {
 """Spec parameters of ``chm:``: name -> (parser, default, description)."""
 
 
-PIN_BYTES = 24
-"""A frame's pin-table entry: ready, until, count (chm.pxd chm_pin)."""
+PIN_BYTES = 32
+"""A frame's pin-table entry: ready, until, count, gen (chm.pxd chm_pin)."""
 
 
 def _align(n: int, a: int) -> int:

@@ -140,7 +140,14 @@ def pytest_generate_tests(metafunc):
         vs = _variants(metafunc.config)
         if "emu_only" in metafunc.fixturenames:
             vs = [v for v in vs if v[1] == "emu"]
+        if "chm_only" in metafunc.fixturenames:
+            vs = [v for v in vs if v[1] == "chm"]
         metafunc.parametrize("backend", vs, ids=[v[0] for v in vs], indirect=True)
+
+
+@pytest.fixture
+def chm_only():
+    """Marks a test whose subject is the CXL-HM device model (its variants only)."""
 
 
 @pytest.fixture

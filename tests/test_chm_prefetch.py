@@ -41,7 +41,7 @@ def _geo(r, dram="256K"):
 
 
 def _pins(m, geo):
-    return np.frombuffer(m, np.uint64, 3 * geo["frames"], geo["pins"]).reshape(-1, 3)
+    return np.frombuffer(m, np.uint64, 4 * geo["frames"], geo["pins"]).reshape(-1, 4)
 
 
 def _written(r, pages):
@@ -223,7 +223,7 @@ def test_killed_between_publishing_a_prefetched_page_and_its_entry(region_dir):
         pmap[pg] = 6
         memoryview(m)[geo["data"] + 5 * PAGE:geo["data"] + 6 * PAGE] = b"\xee" * PAGE
         p = _pins(m, geo)
-        p[5] = (0, 2**62, 1)
+        p[5, :3] = (0, 2**62, 1)
 
     die_inside(f"{region_dir}/r.chm", geo, half_published)
     assert r.dma_read(off, len(data)) == data

@@ -6,7 +6,10 @@ what those windows take: at most `per_request` bytes each (128 MiB by default, t
 paper's figure: 8 blocks of 16 MiB) and at most `budget` bytes among all open
 requests. A request that arrives when the budget is spent gets a smaller window, down
 to `min_window`, or None, and then loads directly, without prefetch: admission never
-waits for another request to finish (skip, never stall).
+waits for another request to finish (skip, never stall). With ``device=True`` the
+windows live in the device's own memory (``StagingWindow(device=True)``: a CXL-HM
+device's DRAM, HyMCache's design), and the budget is what the manager lets its
+requests hold there.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ class KVManager:
     """
 
     def __init__(self, region, *, budget: int | str = "1G", per_request: int | str = "128M",
-                 slots: int = 8, min_window: int | str | None = None) -> None:
+                 slots: int = 8, min_window: int | str | None = None,
+                 device: bool = False) -> None:
         self.region = region
+        if not isinstance(device, bool):
+            raise ValueError(f"device must be True or False, not {device!r}")
+        self.device = device
         self.budget = _bytes("budget", budget)
         self.per_request = min(_bytes("per_request", per_request), self.budget)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
@@ -64,7 +71,7 @@ class KVManager:
             if size < self.min_window:
                 self._refused += 1
                 return None
-            w = StagingWindow(self.region, size=size, slots=self.slots)
+            w = StagingWindow(self.region, size=size, slots=self.slots, device=self.device)
             self._open[request] = w
             self._in_use += size
             self._opened += 1

@@ -128,3 +128,29 @@ def test_device_prefetching_readers_never_see_another_writers_bytes(backend):
         assert r.backend.pinned() == (0, 0)
     cache.close()
     r.close()
+
+
+def test_a_kv_manager_hands_out_device_windows_within_its_budget(backend):
+    from cxlrt.kvmanager import KVManager
+    r = backend.create(size="8M")
+    objs = _objects(r, [20 * KIB] * 4, 13)
+    m = KVManager(r, budget="96K", per_request="64K", slots=2, device=True)
+    if not _takes_hints(backend):
+        with pytest.raises(ValueError, match="takes no prefetch hints"):
+            m.open("a")
+        assert m.stats()["in_use"] == 0  # nothing counted for a window never made
+        r.close()
+        return
+    with m.request("a") as a, m.request("b") as b:
+        assert a.device and (a.size, b.size) == (64 * KIB, 32 * KIB)
+        assert m.open("c") is None  # spent: load directly
+        for w in (a, b):
+            hs = w.prefetch_many([(o, len(d)) for o, d in objs])
+            for h, (o, d) in zip(hs, objs, strict=True):
+                assert w.wait(h, timeout=30) is True
+                assert r.dma_read(o, len(d)) == d
+                w.release(h)
+    assert m.stats()["in_use"] == 0 and r.backend.pinned() == (0, 0)
+    with pytest.raises(ValueError, match="device must be True or False"):
+        KVManager(r, device="yes")
+    r.close()

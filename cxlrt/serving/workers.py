@@ -143,6 +143,14 @@ def _bytes(a: np.ndarray) -> memoryview:
     return a.reshape(-1).view(np.uint8).data
 
 
+def _load(cache: Any, hit: Any, dst: np.ndarray) -> None:
+    """Load a hit, its blocks first issued to the device in order (HyMCache's request-
+    level prefetch: on a device that stages in its DRAM the copy of block i overlaps
+    the staging of block i+1; elsewhere the device takes nothing and this is a load)."""
+    cache.prefetch(hit)
+    cache.load(hit, dst)
+
+
 def _attach(plan: Plan, node: int) -> tuple[Any, Any]:
     """Open the region as ``node`` and attach to the demo's cache (made by the scheduler)."""
     import cxlrt
@@ -277,7 +285,7 @@ def decode_cxlrt(who: str, results: Any, plan: Plan, d: int) -> None:
         with cache.lookup(h.keys) as hit:
             n_hit = len(hit)
             if n_hit:
-                cache.load(hit, kv[:n_hit * bt])
+                _load(cache, hit, kv[:n_hit * bt])
         t_kv = time.monotonic()
         if n_hit < h.n_blocks:  # evicted (or never stored: no room): recompute, and say so
             model.prefill(h.tokens[n_hit * bt:ready], kv, n_hit * bt)
@@ -451,7 +459,7 @@ def prefill_cxlrt(who: str, results: Any, plan: Plan, requests: Any, p: int) -> 
             n_hit = len(hit)
             loaded = n_hit < n_blocks and n_hit > 0  # the prefix is needed only to go on
             if loaded:
-                cache.load(hit, kv[:n_hit * bt])
+                _load(cache, hit, kv[:n_hit * bt])
         t_loaded = time.monotonic()
         if n_hit < n_blocks:
             model.prefill(req.tokens[n_hit * bt:ready], kv, n_hit * bt)

@@ -557,7 +557,18 @@ cdef class KVCache:
         if window is not None:
             hs = window.prefetch_many(objs)
         else:
-            hs = [int(self.region.prefetch(o, n)) for o, n in objs]
+            hs = []
+            try:
+                for o, n in objs:
+                    hs.append(int(self.region.prefetch(o, n)))
+            except BaseException:
+                for (o, n), took in zip(objs, hs):  # the holds taken before the error
+                    if took:
+                        try:
+                            self.region.prefetch_release(o, n)
+                        except Exception:
+                            pass  # they lapse after the device's pin time
+                raise
         hit._staged = (window, [0] * start + hs)
         return len(hs) if window is not None else sum(hs)
 
@@ -586,12 +597,12 @@ cdef class KVCache:
             return 1
         hs[i] = 0
         if w is None or w.device:  # staged in device memory: read the region, then let go
-            if w is not None:
-                try:
-                    w.wait(h)
-                except (StagingError, RegionClosedError):
-                    pass
             try:
+                if w is not None:
+                    try:
+                        w.wait(h)
+                    except Exception:
+                        pass  # advice only: whatever the prefetch met, read the region
                 rc = self._copy_direct(hit, i, p)
             finally:
                 self._unstage_one(hit, w, h, i)
@@ -680,9 +691,16 @@ cdef class KVCache:
             return out
         from cxlrt._buffers import cuda_buffers, destinations
         if cuda_buffers(out):
-            self._unstage_range(hit, 0, first + n)  # the CUDA path reads the region
+            # The CUDA path reads the region: a host window's copies are of no use to it;
+            # blocks held in device memory stay held until it has read them.
+            in_device = hit._staged is not None and (hit._staged[0] is None
+                                                     or hit._staged[0].device)
+            self._unstage_range(hit, 0, first if in_device else first + n)
             from cxlrt._cuda import load_cuda
-            load_cuda(self, hit, out, start, stop)
+            try:
+                load_cuda(self, hit, out, start, stop)
+            finally:
+                self._unstage_range(hit, first, first + n)
             return out
         cdef list dst = destinations(out, n, bb)
         cdef unsigned char[::1] mv
@@ -1071,7 +1089,8 @@ cdef class Hit:
                 try:
                     if w is not None:
                         w.release(h)
-                    elif self.cache is not None and self.cache.region is not None:
+                    elif (self.owner_pid == cxl_pid() and self.cache is not None
+                          and self.cache.region is not None):  # a forked child's are not its
                         self.cache.region.prefetch_release(
                             self.offs[i], KV_PAYLOAD_HDR + self.cache.block_bytes)
                 except Exception:

@@ -47,7 +47,7 @@ from posix.types cimport clockid_t
 
 from cxlrt.backend cimport (CXL_HINT_PREFETCH, CXL_HINT_REFUSED, CXL_HINT_RELEASE,
                             CXL_HINT_WAIT, cxl_check_range, cxl_dma_read, cxl_hint, cxl_region)
-from cxlrt.status cimport CXLRT_E_UNSUPPORTED
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_UNSUPPORTED
 from cxlrt.includes.intrin cimport cxl_pid
 from cxlrt.includes.mutex cimport pthread_mutex_t
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire_int, cxl_atomic_store_release_int,
@@ -92,6 +92,7 @@ ctypedef struct sw_req:
     int cancel           # released while COPYING: the copy stops, the refill frees it
     int views            # buffer exports alive (release refuses while any are)
     int held             # device window: the device took the prefetch (release gives it back)
+    int issuing          # device window: its prefetch call is in flight (no mutex held)
 
 
 ctypedef struct sw_ctx:
@@ -289,29 +290,34 @@ cdef void* _refill_device(void* arg) noexcept nogil:
     queues the reads back to back), and only when none more fits does it wait for the
     oldest in flight to land and mark it READY: completion order is issue order, and
     the device is never idle while the window has room (a wait per request would leave
-    it idle while the consumer copies)."""
+    it idle while the consumer copies). A request stays COPYING from its prefetch until
+    it lands; release() may end it meanwhile (once its prefetch call has returned:
+    `issuing`), and the refill thread then leaves it be."""
     cdef sw_ctx* c = <sw_ctx*>arg
     cdef sw_req* q
     cdef uint64_t h, off, n
-    cdef int rc, held
+    cdef int rc
     cxl_plain_mutex_lock(&c.m)
     while not c.stop:
         if _take_next(c, &h):
             q = _req(c, h)
             off = q.off
             n = q.n
+            q.issuing = 1
             c.copying += 1
             cxl_plain_mutex_unlock(&c.m)
             rc = cxl_hint(c.r, CXL_HINT_PREFETCH, off, n)
             cxl_plain_mutex_lock(&c.m)
             q = _req(c, h)
+            q.issuing = 0
             q.held = rc == 0
             if rc == CXL_HINT_REFUSED:
                 c.refused += 1  # its consumer reads the capacity tier: slower, never stalled
                 rc = 0
             q.rc = rc
+            pthread_cond_broadcast(&c.done)  # a release() may wait for the call to return
             continue
-        # Nothing more fits: wait for the oldest request in flight.
+        # Nothing more fits: wait for the oldest request in flight to land.
         h = c.lo
         while h < c.stage and _req(c, h).state != SW_COPYING:
             h += 1
@@ -324,31 +330,34 @@ cdef void* _refill_device(void* arg) noexcept nogil:
         off = q.off
         n = q.n
         rc = q.rc
-        held = q.held
-        if rc == 0 and held:
+        if rc == 0 and q.held:
             cxl_plain_mutex_unlock(&c.m)
             rc = cxl_hint(c.r, CXL_HINT_WAIT, off, n)
             cxl_plain_mutex_lock(&c.m)
         q = _req(c, h)
+        if q.state != SW_COPYING:
+            continue  # released while it landed: release() gave everything back
         c.copying -= 1
-        if rc == 0 and held:
-            c.copied += n
-        if q.cancel or rc != 0:
+        if rc != 0:
             _unstage(c, h)
-            if q.cancel:
-                q.state = SW_RELEASED
-                _advance(c)
-            else:
-                q.state = SW_FAILED
-                q.rc = rc
-            if held:  # nobody will consume it: the device may have the room back
+            q.state = SW_FAILED
+            q.rc = rc
+            if q.held:  # nobody will consume it: the device may have the room back
                 q.held = 0
-                cxl_plain_mutex_unlock(&c.m)
                 cxl_hint(c.r, CXL_HINT_RELEASE, off, n)
-                cxl_plain_mutex_lock(&c.m)
         else:
+            c.copied += n if q.held else 0
             q.state = SW_READY
         pthread_cond_broadcast(&c.done)
+    # Stopped: nothing in flight will land for anyone. Its holds go in _unhold_all.
+    for h in range(c.lo, c.stage):
+        q = _req(c, h)
+        if q.state == SW_COPYING:
+            c.copying -= 1
+            _unstage(c, h)
+            q.state = SW_FAILED
+            q.rc = CXLRT_E_CLOSED
+    pthread_cond_broadcast(&c.done)
     cxl_plain_mutex_unlock(&c.m)
     return NULL
 
@@ -422,14 +431,17 @@ cdef int _wait(sw_ctx* c, uint64_t h, double timeout, bint verdict,
 
 cdef void _unhold_all(sw_ctx* c) noexcept nogil:
     """After the refill thread is joined: give back every hold the device still has
-    for this window (a closed window's objects are never consumed)."""
+    for this window (a closed window's objects are never consumed). Under the mutex,
+    as release() checks and clears a hold: each is given back once."""
     cdef uint64_t h
     cdef sw_req* q
+    cxl_plain_mutex_lock(&c.m)
     for h in range(c.lo, c.next):
         q = _req(c, h)
-        if q.held and (q.state == SW_READY or q.state == SW_COPYING):
+        if q.held:
             q.held = 0
             cxl_hint(c.r, CXL_HINT_RELEASE, q.off, q.n)
+    cxl_plain_mutex_unlock(&c.m)
 
 
 @cython.no_gc_clear  # the refill thread reads the region until __dealloc__ joins it
@@ -588,7 +600,8 @@ cdef class StagingWindow:
                 rc = -1
                 break
             q = _req(&self.c, self.c.next)
-            q[0] = sw_req(off=off, n=n, at=0, state=SW_QUEUED, rc=0, cancel=0, views=0, held=0)
+            q[0] = sw_req(off=off, n=n, at=0, state=SW_QUEUED, rc=0, cancel=0, views=0, held=0,
+                          issuing=0)
             self.c.next += 1
         if rc != 0:
             self.c.next = first  # all or nothing: the refill thread saw none of them
@@ -649,7 +662,9 @@ cdef class StagingWindow:
     def release(self, uint64_t h):
         """Give `h`'s room back at once (a queued handle is never staged; a copy in
         flight stops at its next 1 MiB piece, and release() returns after that: the
-        window never reads the object again). Refused while a view of it is alive."""
+        window never reads the object again; in a device window, the device's hold is
+        given back, without waiting for the object to land). Refused while a view of
+        it is alive."""
         cdef sw_req* q
         cdef int rc, views = 0, unhold = 0
         cdef uint64_t off = 0, n = 0
@@ -657,13 +672,29 @@ cdef class StagingWindow:
         with nogil:
             cxl_plain_mutex_lock(&self.c.m)
             rc = _check(&self.c, h)
+            if rc == SW_OK and self.c.device:
+                # The device stages it: wait only for its prefetch call to return (the
+                # refill thread then records the hold), never for it to land.
+                while _req(&self.c, h).issuing:
+                    pthread_cond_wait(&self.c.done, &self.c.m)
+                rc = _check(&self.c, h)  # another thread may have released it meanwhile
             if rc == SW_OK:
                 q = _req(&self.c, h)
                 views = q.views
-                if views == 0 and q.state == SW_READY and q.held:
+                if views == 0 and q.held:
                     unhold, off, n = 1, q.off, q.n
                     q.held = 0
-                if views == 0:
+                if views == 0 and self.c.device:
+                    if q.state == SW_COPYING:
+                        self.c.copying -= 1
+                    if q.state == SW_COPYING or q.state == SW_READY:
+                        _unstage(&self.c, h)
+                    q.state = SW_RELEASED
+                    _advance(&self.c)
+                    self.c.stalled = 0
+                    pthread_cond_broadcast(&self.c.work)
+                    pthread_cond_broadcast(&self.c.done)
+                elif views == 0:
                     if q.state == SW_COPYING:
                         # Stop the copy, and return only once the refill thread has let
                         # go of the object: the caller may then give up its right to it

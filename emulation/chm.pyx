@@ -129,10 +129,12 @@ cdef inline int _frame_of(chm_ctx* c, uint64_t pg) noexcept nogil:
 
 
 cdef inline bint _pinned(chm_ctx* c, uint64_t f, uint64_t now) noexcept nogil:
-    """Frame f is held by a prefetch not yet released whose pin has not lapsed. A time
-    past any pin this device gives (a scribble) holds nothing."""
+    """Frame f holds a page and a prefetch not yet released whose pin has not lapsed.
+    A time past any pin this device gives (a scribble) holds nothing, and nor does a
+    frame freed by any path (a drop, a repair) before _victim reset its entry."""
     cdef chm_pin* p = &c.pins[f]
-    return p.count != 0 and now < p.until_ns <= now + c.pin_ns
+    return (p.count != 0 and now < p.until_ns <= now + c.pin_ns
+            and (c.ftab[f] & CHM_F_VALID) != 0)
 
 
 cdef long _victim(chm_ctx* c, uint64_t* cost) noexcept nogil:

@@ -306,3 +306,154 @@ def test_prefetching_readers_and_a_writer_never_see_a_torn_or_stale_block(region
     assert all(res), f"seed {SEED}"
     assert r.backend.pinned() == (0, 0), f"seed {SEED}"
     r.close()
+
+
+# --- device windows and KV hits: every hold given back once, nothing waits for ever --------
+
+SLOW_READS = "bw=0.001&wbw=100"  # reads at 1 MB/s (4 ms a page), writes at once
+
+
+def _kv(d, extra, n=4):
+    r = cxlrt.open(f"chm:{d}/r?policy=staging&dram=1M&page=4K&{extra}", node=0, create=True,
+                   size="16M", nodes=4)
+    cache = cxlrt.KVCache(r, "staged", block_bytes=32 * 1024, capacity_blocks=16)
+    keys = cxlrt.block_hashes(range(16 * n), 16, salt=b"pf")
+    blocks = [np.full(32 * 1024, i + 1, np.uint8) for i in range(n)]
+    assert cache.store(keys, blocks) == keys
+    r.backend.writeback(drop=True)  # on the SSD only: prefetches take their modelled time
+    return r, cache, keys, blocks
+
+
+def _returns(fn, within=10.0):
+    """fn() in a thread; True if it returned within `within` seconds (never a hang)."""
+    import threading
+    done = threading.Event()
+    err = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # reported to the caller
+            err.append(e)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    ok = done.wait(within)
+    if err:
+        raise err[0]
+    return ok
+
+
+@pytest.mark.parametrize("then", ["hit-release", "load", "region-close"])
+def test_a_device_window_closed_with_prefetches_in_flight_hangs_nothing(region_dir, then):
+    r, cache, keys, blocks = _kv(region_dir, SLOW_READS)  # 34 ms a block
+    hit = cache.lookup(keys)
+    w = cxlrt.StagingWindow(r, size=4 * 33 * 1024, slots=4, device=True)
+    cache.prefetch(hit, w)
+    time.sleep(0.05)  # the first is landing, the others queued on the device
+    w.close()
+    assert r.backend.pinned() == (0, 0)  # the closed window gave its holds back
+    if then == "load":
+        out = []
+        assert _returns(lambda: out.append(cache.load(hit)))
+        assert all(np.array_equal(out[0][i], blocks[i]) for i in range(4))
+    if then == "region-close":
+        cache.close()
+        r.close()
+    assert _returns(hit.release)
+    if then != "region-close":
+        cache.close()
+        r.close()
+
+
+def test_releasing_an_in_flight_device_prefetch_does_not_wait_for_it_to_land(region_dir):
+    r = _open(region_dir, dram="1M", extra=SLOW_READS)
+    objs = [_written(r, 32) for _ in range(4)]  # 131 ms each to land, one after another
+    w = cxlrt.StagingWindow(r, size=4 * 32 * PAGE, slots=4, device=True)
+    hs = w.prefetch_many([(o, len(d)) for o, d in objs])
+    time.sleep(0.02)
+    t0 = time.monotonic()
+    w.release(hs[-1])  # lands 520 ms from now
+    assert time.monotonic() - t0 < 0.25  # its call returned: nothing waits to land
+    (o0, d0) = objs[0]
+    assert w.wait(hs[0], timeout=30) is True and r.dma_read(o0, len(d0)) == d0
+    for h in hs[:-1]:
+        w.release(h)
+    w.close()
+    assert r.backend.pinned() == (0, 0)
+    r.close()
+
+
+def test_a_forked_child_never_gives_back_its_parents_device_holds(region_dir):
+    r, cache, keys, _ = _kv(region_dir, "lat=1000")
+    hit, hit2 = cache.lookup(keys), cache.lookup(keys)
+    assert cache.prefetch(hit) == 4 and cache.prefetch(hit2) == 4
+    frames, holds = r.backend.pinned()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            hit.release()  # the child's copy: the holds are the parent's
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert r.backend.pinned() == (frames, holds)
+    hit.release()
+    assert r.backend.pinned() == (frames, holds // 2)  # hit2 still holds every page
+    hit2.release()
+    assert r.backend.pinned() == (0, 0)
+    cache.close()
+    r.close()
+
+
+def test_a_failed_device_prefetch_falls_back_to_a_direct_load(region_dir, monkeypatch):
+    from cxlrt.emulation import chm
+    monkeypatch.setattr(chm, "LOCK_TIMEOUT_S", 0.3)
+    r, cache, keys, blocks = _kv(region_dir, "lat=1000", n=2)
+    hit = cache.lookup(keys)
+    w = cxlrt.StagingWindow(r, size=2 * 33 * 1024, slots=2, device=True)
+    geo = _geo(r, "1M")
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a process stopped while it holds the device lock
+        try:
+            import ctypes
+
+            from cxlrt.mapping import Mapping
+            m = Mapping(f"{region_dir}/r.chm", geo["total"])
+            buf = (ctypes.c_char * m.size).from_buffer(m)
+            ctypes.CDLL(None).pthread_mutex_lock(ctypes.byref(buf, chmside.LOCK_OFFSET))
+            os.write(wr, b"1")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(rd, 1) == b"1"
+        cache.prefetch(hit, w)  # the refill thread's prefetch times out on the lock
+        time.sleep(1.0)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(rd)
+        os.close(wr)
+    out = cache.load(hit)  # the device recovers; the load reads the region directly
+    assert all(np.array_equal(out[i], blocks[i]) for i in range(2))
+    for h in (1, 2):  # both handles were given back by the load
+        with pytest.raises(cxlrt.StagingHandleError):
+            w.release(h)
+    hit.release()
+    w.close()
+    cache.close()
+    r.close()
+
+
+def test_frames_a_power_cycle_frees_hold_no_pins(region_dir):
+    r = _open(region_dir, extra="pin=1000000000000")  # pins would last 1000 s
+    a, adata = _written(r, 50)
+    b, bdata = _written(r, 20)
+    assert r.prefetch(a, len(adata))
+    r.backend.writeback(drop=True)
+    assert r.backend.pinned() == (0, 0)
+    assert r.prefetch(b, len(bdata))  # the dropped frames are free for it
+    r.prefetch_release(b, len(bdata))
+    r.prefetch_release(a, len(adata))  # nothing of a's is held any more: a no-op
+    r.close()

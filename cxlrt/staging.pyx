@@ -684,18 +684,8 @@ cdef class StagingWindow:
                 if views == 0 and q.held:
                     unhold, off, n = 1, q.off, q.n
                     q.held = 0
-                if views == 0 and self.c.device:
-                    if q.state == SW_COPYING:
-                        self.c.copying -= 1
-                    if q.state == SW_COPYING or q.state == SW_READY:
-                        _unstage(&self.c, h)
-                    q.state = SW_RELEASED
-                    _advance(&self.c)
-                    self.c.stalled = 0
-                    pthread_cond_broadcast(&self.c.work)
-                    pthread_cond_broadcast(&self.c.done)
-                elif views == 0:
-                    if q.state == SW_COPYING:
+                if views == 0:
+                    if q.state == SW_COPYING and not self.c.device:
                         # Stop the copy, and return only once the refill thread has let
                         # go of the object: the caller may then give up its right to it
                         # (a KV hit unpins its blocks).
@@ -703,7 +693,9 @@ cdef class StagingWindow:
                         while _req(&self.c, h).state == SW_COPYING:
                             pthread_cond_wait(&self.c.done, &self.c.m)
                     else:
-                        if q.state == SW_READY:
+                        if q.state == SW_COPYING:  # a device's, landing: the refill skips it
+                            self.c.copying -= 1
+                        if q.state == SW_COPYING or q.state == SW_READY:
                             _unstage(&self.c, h)
                         q.state = SW_RELEASED
                         _advance(&self.c)

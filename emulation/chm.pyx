@@ -18,6 +18,10 @@ device, as hosts on a CXL switch do. Two policies (``policy=``):
            been idle for ``wbidle`` ns, so reads never queue behind more than one
            batch; the runtime asks before it writes (CXL_HINT_ADMIT, Region.admit,
            KVCache.admit) and skips a store the buffer has no room for.
+           The runtime may also ask the device to stage objects in DRAM itself
+           (CXL_HINT_PREFETCH, Region.prefetch, StagingWindow(device=True)): their
+           pages are read from the SSD as one request per run and pinned, so the
+           clock passes them until they are released or their ``pin`` time lapses.
 
 SSD time is modelled (``lat``, ``bw``, ``wbw``) on one device-wide timeline: work
 queued by any process delays every later request, as on one SSD. The device
@@ -47,6 +51,7 @@ from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_IO, CXLRT_E_NOMEM, CXLRT_E_RA
                            CXLRT_E_UNSUPPORTED)
 
 import os
+import weakref
 
 from cxlrt.emulation import chmside as _side
 
@@ -479,8 +484,6 @@ cdef int _read_hits(chm_ctx* c, uint64_t off, char* buf, uint64_t n) noexcept no
         c.ftab[f] |= CHM_F_REF
         if <uint64_t>f < c.cpu_frames:  # a prefetched page lands when its read ends
             landed = max(landed, _sane(c.pins[f].ready_ns, t0))
-    c.h.st[CHM_ST_HITS] += p1 - p0 + 1
-    c.h.st[CHM_ST_DRAM_BYTES] += n
     cxl_mutex_unlock(c.lock)
     if landed > t0:
         _wait_until(landed)
@@ -495,6 +498,8 @@ cdef int _read_hits(chm_ctx* c, uint64_t off, char* buf, uint64_t n) noexcept no
     for pg in range(p0, p1 + 1):
         if c.pins[frames[pg - p0]].gen != gens[pg - p0] and not CXLRT_TEST_HOOK(c.no_seqlock):
             return 1
+    c.h.st[CHM_ST_HITS] += p1 - p0 + 1  # counted once: a read done again is the locked path's
+    c.h.st[CHM_ST_DRAM_BYTES] += n
     cxl_mutex_unlock(c.lock)
     return 0
 
@@ -665,9 +670,8 @@ cdef int _prefetch(chm_ctx* c, uint64_t p0, uint64_t p1, uint64_t t0) noexcept n
     from the SSD as one sequential request per run; their frames are mapped at once
     and land (ready_ns) as the modelled read reaches each. Refused, with nothing
     changed, unless a reserve of frames stays unpinned for the CPU path afterwards."""
-    cdef uint64_t pg, f, held = 0, add = 0, run, j, k, cost, end, nbytes, until
+    cdef uint64_t pg, f, held = 0, add = 0, until
     cdef uint64_t reserve = max(<uint64_t>1, c.cpu_frames // 8)
-    cdef uint64_t _run_frames[CHM_PF_RUN]
     cdef long g
     cdef int rc
     for f in range(c.cpu_frames):
@@ -682,6 +686,22 @@ cdef int _prefetch(chm_ctx* c, uint64_t p0, uint64_t p1, uint64_t t0) noexcept n
         c.h.st[CHM_ST_PF_REFUSALS] += 1
         return CXL_HINT_REFUSED
     until = t0 + c.pin_ns
+    rc = _prefetch_in(c, p0, p1, t0, until)
+    if rc < 0:
+        # Give back what this call pinned: every page of the range now in a cache frame
+        # (those it found there, pinned first, and the runs it published; the failed
+        # run's frames were freed), so no hold is left that nobody owns.
+        _pf_release(c, p0, p1, False)
+    return rc
+
+
+cdef int _prefetch_in(chm_ctx* c, uint64_t p0, uint64_t p1, uint64_t t0,
+                      uint64_t until) noexcept nogil:
+    """_prefetch's work once the room is there: 0 or an error."""
+    cdef uint64_t pg, run, j, k, cost, end, nbytes
+    cdef uint64_t _run_frames[CHM_PF_RUN]
+    cdef long g
+    cdef int rc
     # Pages already in DRAM are pinned first, so filling the others cannot evict them.
     for pg in range(p0, p1 + 1):
         g = _frame_of(c, pg)
@@ -821,6 +841,19 @@ assert len(_STATS) == CHM_NSTATS
 
 PARAMS = _side.PARAMS
 
+_devices = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    # `inflight` counts this process's threads inside the device; a child has none of
+    # them (only the forking thread), and a count copied from a parent thread that was
+    # inside would make the child's close() wait for it for ever.
+    for b in list(_devices):
+        (<ChmBackend>b).c.inflight = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _break_seqlock(ChmBackend b):
     """Make this process's DMA reads trust a copy made outside the device lock without
@@ -884,6 +917,7 @@ cdef class ChmBackend(Backend):
         self.c.lock_timeout_ns = <uint64_t>(LOCK_TIMEOUT_S * 1e9)
         self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
                          &self.c, &CHM_OPS)
+        _devices.add(self)
 
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
         """Nothing per node: every node reaches the one device."""

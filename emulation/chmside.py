@@ -20,7 +20,7 @@ from cxlrt.shm import init_robust_mutexes
 from cxlrt.spec import parse_float_range, parse_int_range, parse_size
 
 MAGIC = int.from_bytes(b"CXLCHM01", "little")
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<QIIQQQQQQQddQQQ")  # magic, version, policy, page, frames, pages,
 #                              region_size, dev, ino, lat, bw, wbw, wb_frames, wb_idle, pin
 HEADER_BYTES = 4096

@@ -457,3 +457,41 @@ def test_frames_a_power_cycle_frees_hold_no_pins(region_dir):
     r.prefetch_release(b, len(bdata))
     r.prefetch_release(a, len(adata))  # nothing of a's is held any more: a no-op
     r.close()
+
+
+def test_a_child_forked_while_a_device_window_waits_can_close_the_region(region_dir):
+    r = _open(region_dir, dram="1M", extra=SLOW_READS)
+    objs = [_written(r, 32) for _ in range(4)]
+    w = cxlrt.StagingWindow(r, size=4 * 32 * PAGE, slots=4, device=True)
+    hs = w.prefetch_many([(o, len(d)) for o, d in objs])
+    time.sleep(0.05)  # the refill thread is inside the device, waiting for a landing
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            code = 0 if _returns(r.close, within=15) else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # 4: close() waited for the parent's thread
+    for h in hs:
+        w.release(h)
+    w.close()
+    assert r.backend.pinned() == (0, 0)
+    r.close()
+
+
+def test_a_prefetch_that_fails_part_way_leaves_no_pins(region_dir):
+    r = _open(region_dir, dram="1M", extra="pin=1000000000000")
+    off, data = _written(r, 32)
+    r.load(off, 8 * PAGE)  # its first 8 pages in cache frames: pinned first by a prefetch
+    size = os.path.getsize(f"{region_dir}/r")
+    os.truncate(f"{region_dir}/r", off + 16 * PAGE)  # the SSD loses the range's tail
+    try:
+        with pytest.raises(cxlrt.MediumError):
+            r.prefetch(off, len(data))
+        assert r.backend.pinned() == (0, 0)  # nobody holds what the failed call pinned
+    finally:
+        os.truncate(f"{region_dir}/r", size)
+    assert r.dma_read(off, 8 * PAGE) == data[:8 * PAGE]
+    r.close()

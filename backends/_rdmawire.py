@@ -26,6 +26,10 @@ class RdmaServerError(ConnectionError):
     """The server refused, or broke the protocol."""
 
 
+class ClaimRefused(RdmaServerError):
+    """The server refused this host's claim of a node (another host holds it)."""
+
+
 def split(path: str) -> tuple[str, int, str]:
     """``HOST:PORT/NAME`` -> (host, port, name); IPv6 hosts go in brackets."""
     where, sep, name = path.partition("/")
@@ -187,8 +191,12 @@ class Control:
 
 
 def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float,
-           host: str | None = None, mtu: int = 0, rd_atom: int = 0) -> tuple[Control, dict]:
-    """Attach a queue pair; the open connection (keep it) and the server's reply."""
+           host: str | None = None, mtu: int = 0, rd_atom: int = 0,
+           claim: int | None = None) -> tuple[Control, dict]:
+    """Attach a queue pair; the open connection (keep it) and the server's reply.
+
+    `claim` (the region's node count) also claims the node, before anyone else reads
+    the connection: a reconnect restores its claim in the same handshake."""
     if host is None:
         from cxlrt.liveness import host_id
         host = f"{host_id():016x}"
@@ -207,6 +215,20 @@ def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float
             f.close()
             sock.close()
             raise RdmaServerError(f"rdma:{path}: the server's reply has no {key!r}")
+    if claim is not None:
+        try:
+            _ask(sock, f, path, {"op": "claim", "name": name, "version": VERSION,
+                                 "node": node, "nodes": claim, "host": host})
+        except RdmaServerError as e:
+            f.close()
+            sock.close()
+            if "refused" in str(e):
+                raise ClaimRefused(str(e)) from None
+            raise
+        except BaseException:
+            f.close()
+            sock.close()
+            raise
     f.close()  # the server says nothing more until asked: no bytes are left in it
     sock.settimeout(None)
     return Control(sock, path), reply

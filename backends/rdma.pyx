@@ -9,10 +9,18 @@ stale to drop: the medium is coherent for every node, and flushes are no-ops. Th
 stronger than the non-coherent model the algorithms are written for, and costs one
 round trip per access.
 
-A completion error, a missed deadline (``timeout``) or the server closing the control
-connection breaks the attachment: every later access fails at once with CXLRT_E_IO,
-and :meth:`RdmaBackend.failure` says why. A broken attachment is never repaired in
-place: open the region again (the server may have restarted with new keys).
+When the server goes (its control connection ends) or a READ fails, the attachment
+reconnects: accesses wait, for at most ``reconnect`` seconds from the first failure,
+while a supervisor thread attaches again (new queue pair, new keys, the same region
+checked by its uuid, the node's claim restored) and then go on. While they wait the
+node beats nothing: an outage past the lease is a stall, and the liveness layer fences
+what the node held exactly as for a SIGSTOPped process. A failed WRITE is different:
+the responder may have taken it, so it may land or may already have been seen, and
+repeating it could undo what another node did after seeing it. That, an outage longer
+than the window, a region that is not the one attached to, or a refused claim breaks
+the attachment for good: every later access fails at once with CXLRT_E_IO, the node
+stops beating and is recovered like a dead one, and :meth:`RdmaBackend.failure` says
+why. ``reconnect=0`` breaks it at the first failure of any kind.
 """
 
 cimport cython
@@ -26,6 +34,7 @@ from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO
 
 import os
 import threading
+import time
 import weakref
 
 from cxlrt.backends import _rdmawire as _wire
@@ -72,6 +81,7 @@ cdef extern from "rdma_verbs.h" nogil:
     int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
                        const uint8_t* rgid, int mtu, int rd_atom, int timeout, int retry)
     void cxv_qp_destroy(cxv_qp* q)
+    int cxv_qp_stall(cxv_qp* q)
     int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
                  uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
                  int* wc_status)
@@ -84,12 +94,29 @@ cdef extern from "<errno.h>":
     int errno
 
 
+cdef extern from "<sys/socket.h>" nogil:
+    int shutdown(int fd, int how)
+    enum:
+        SHUT_RDWR
+
+
+cdef extern from "<unistd.h>" nogil:
+    int usleep(unsigned int us)
+
+
+cdef extern from "Python.h" nogil:
+    int PyGILState_Check()
+
+
 cdef int _errno() noexcept:
     return errno
 
 
 cdef enum:
-    CXV_FORKED = 100      # a failure kind of ours: used in a forked child
+    CXV_FORKED = 100      # failure kinds of ours: used in a forked child,
+    CXV_GAVE_UP = 101     # the server not back within the reconnect window,
+    CXV_REFUSED = 102     # the server back, but refusing this attachment (see `why`)
+    RETRY = 1             # _move: the transfer was cut by a clean break; go again
     SMALL = 64 << 10      # staging for metadata accesses
     BOUNCE = 4 << 20      # staging for dma_read/dma_write, in `chunk` requests
     DEPTH = 16            # requests in flight per queue pair
@@ -100,7 +127,8 @@ cdef enum:
 _KINDS = {CXV_FORKED: "used in a forked child: an RDMA attachment belongs to the process "
                       "that opened it (open the region again in the child)",
           CXV_POST: "posting a request failed", CXV_WC: "a completion error",
-          CXV_TIMEOUT: "no completion for the attachment's timeout", CXV_POLL: "polling failed"}
+          CXV_TIMEOUT: "no completion for the attachment's timeout", CXV_POLL: "polling failed",
+          CXV_GAVE_UP: "the server did not come back within the reconnect window"}
 # ibv_wc_status values worth naming (infiniband/verbs.h).
 _WC = {5: "flushed (the queue pair is in error)", 9: "remote invalid request",
        10: "remote access error (a key that is no longer valid, or out of range)",
@@ -126,6 +154,13 @@ ctypedef struct rdma_ctx:
     uint64_t raddr          # the served mapping's address in the server
     uint32_t rkey
     uint32_t broken         # set once; read without the lock
+    uint32_t reconnecting   # a clean break: accesses wait for the supervisor to attach again
+    uint64_t outage_ns      # cxv_now_ns() at the first failure of this outage, 0 in none
+    uint64_t window_ns      # how long an outage may last (`reconnect`); 0: never reconnect
+    int ctl_fd              # the control socket: shut down to wake the supervisor; -1 none
+    int cause_kind          # what began the outage (a CXV_* kind, -1 the server hung up)
+    int cause_status
+    uint64_t reconnects
     uint32_t gen            # _fork_gen when attached
     uint32_t gone           # close() freed the queue pair and buffers
     int fail_kind
@@ -190,41 +225,74 @@ cdef int _fail(rdma_ctx* c, int kind, int st) noexcept nogil:
     c.fail_kind = kind
     c.fail_status = st
     cxl_atomic_store_release32(&c.broken, 1)
+    cxl_atomic_store_release32(&c.reconnecting, 0)
     return CXLRT_E_IO
 
 
-cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
+cdef void _hang_up(rdma_ctx* c) noexcept nogil:
+    """End the control connection (lock held): the server drops our queue pair and
+    claim at once, and the supervisor wakes. Never in a forked child, whose descriptor
+    is the parent's connection (or closed, and its number reused)."""
+    if c.ctl_fd >= 0 and c.gen == _fork_gen:
+        shutdown(c.ctl_fd, SHUT_RDWR)
+
+
+cdef void _interrupt(rdma_ctx* c, int kind, int st) noexcept nogil:
+    """A clean break (lock held): nothing of ours may still land, so the accesses can
+    wait for a new attachment. The supervisor is woken through the control socket."""
+    if not c.reconnecting:
+        c.cause_kind = kind
+        c.cause_status = st
+        if c.outage_ns == 0:
+            c.outage_ns = cxv_now_ns()
+        cxl_atomic_store_release32(&c.reconnecting, 1)
+    _hang_up(c)
+
+
+cdef void _await(rdma_ctx* c) noexcept nogil:
+    """Wait, lock not held, until the outage ends, the attachment is closed or broken,
+    or the window runs out (then it is broken for good, by whoever sees it first)."""
+    while (cxl_atomic_load_acquire32(&c.reconnecting) and not c.gone
+           and not cxl_atomic_load_acquire32(&c.broken)):
+        if cxv_now_ns() - c.outage_ns > c.window_ns:
+            pthread_mutex_lock(&c.lock)
+            if c.reconnecting and not c.broken and not c.gone:
+                _fail(c, CXV_GAVE_UP, 0)
+                _hang_up(c)
+            pthread_mutex_unlock(&c.lock)
+            return
+        usleep(2000)
+
+
+cdef void _await_released(rdma_ctx* c) noexcept nogil:
+    # The supervisor is a Python thread: a caller that holds the GIL (a small access
+    # from Python) must let go of it while it waits, or the outage could never end.
+    if PyGILState_Check():
+        with gil:
+            with nogil:
+                _await(c)
+    else:
+        _await(c)
+
+
+cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
                bint big) noexcept nogil:
-    """Move n bytes: straight from or into `buf` when it lies in a registered buffer
-    (RdmaBackend.register), every request of the transfer in flight; else through a
-    registered staging buffer, one buffer's worth at a time."""
+    """One attempt at the transfer (lock held): 0, CXLRT_E_IO (broken for good) or
+    RETRY (a READ cut by a clean break: repeat it once the attachment is back)."""
     cdef char* stage = c.bounce if big else c.small
     cdef uint32_t lkey
     cdef uint64_t cap = BOUNCE if big else SMALL, k
-    cdef int rc = 0, r, st = 0, i = -1
-    if c.gen != _fork_gen:
-        # Before the lock: a parent thread inside an access at fork() left the child's
-        # copy of it locked for good. The child's copy of the context is its own.
-        if not c.broken:
-            _fail(c, CXV_FORKED, 0)
-        return CXLRT_E_IO
-    pthread_mutex_lock(&c.lock)
-    if c.gone:
-        rc = CXLRT_E_CLOSED
-    elif c.broken:
-        rc = CXLRT_E_IO
-    elif big and c.nregs:
+    cdef int r = CXV_OK, st = 0, i = -1
+    if big and c.nregs:
         i = _registered(c, buf, n)
-    if rc == 0 and i >= 0:
+    if i >= 0:
         r = cxv_xfer(&c.qp, write, buf, c.regs[i].mr.lkey, c.raddr + off, c.rkey, n,
                      c.chunk, c.timeout_ns, &st)
-        if r != CXV_OK:
-            rc = _fail(c, r, st)
-        else:
+        if r == CXV_OK:
             c.ops += 1
             c.bytes += n
             c.direct += n
-    elif rc == 0:
+    else:
         lkey = c.bounce_mr.lkey if big else c.small_mr.lkey
         while n:
             k = n if n < cap else cap
@@ -233,7 +301,6 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             r = cxv_xfer(&c.qp, write, stage, lkey, c.raddr + off, c.rkey, k, c.chunk,
                          c.timeout_ns, &st)
             if r != CXV_OK:
-                rc = _fail(c, r, st)
                 break
             if not write:
                 memcpy(buf, stage, k)
@@ -242,6 +309,44 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             off += k
             buf += k
             n -= k
+    if r == CXV_OK:
+        c.outage_ns = 0  # the attachment works again: a later failure is a new outage
+        return 0
+    if write or c.window_ns == 0:
+        _hang_up(c)
+        return _fail(c, r, st)
+    _interrupt(c, r, st)
+    return RETRY
+
+
+cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
+               bint big) noexcept nogil:
+    """Move n bytes: straight from or into `buf` when it lies in a registered buffer
+    (RdmaBackend.register), every request of the transfer in flight; else through a
+    registered staging buffer, one buffer's worth at a time. Waits out an outage."""
+    cdef int rc
+    if c.gen != _fork_gen:
+        # Before the lock: a parent thread inside an access at fork() left the child's
+        # copy of it locked for good. The child's copy of the context is its own.
+        if not c.broken:
+            _fail(c, CXV_FORKED, 0)
+        return CXLRT_E_IO
+    pthread_mutex_lock(&c.lock)
+    while True:
+        if c.gone:
+            rc = CXLRT_E_CLOSED
+        elif c.broken:
+            rc = CXLRT_E_IO
+        elif c.reconnecting:
+            pthread_mutex_unlock(&c.lock)
+            _await_released(c)
+            pthread_mutex_lock(&c.lock)
+            continue
+        else:
+            rc = _move(c, write, off, buf, n, big)
+            if rc == RETRY:
+                continue
+        break
     pthread_mutex_unlock(&c.lock)
     return rc
 
@@ -295,6 +400,9 @@ PARAMS = {
                 "seconds without a completion before the attachment is broken (at least "
                 "the device's own retry window, about 0.5 s)"),
     "chunk": (parse_int_range(4096, 1 << 30), 1 << 20, "bytes per RDMA request"),
+    "reconnect": (parse_float_range(0.0, 3600.0), 10.0,
+                  "seconds an outage may last while accesses wait for the server to come "
+                  "back (0: break the attachment at the first failure)"),
 }
 """Spec parameters accepted by ``rdma:``."""
 
@@ -459,12 +567,15 @@ cdef class RdmaBackend(Backend):
     cdef object watcher
     cdef str why
     cdef dict pinned       # start address -> the registered object (kept alive)
+    cdef object uuid       # the region's, once bound: a reconnect must find the same one
+    cdef object claimed    # the node count claimed with, or None
     cdef readonly dict server
 
     def __cinit__(self):
         memset(&self.c, 0, sizeof(self.c))
         pthread_mutex_init(&self.c.lock, NULL)
         self.c.gone = 1
+        self.c.ctl_fd = -1
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
         cdef void* p = NULL
@@ -474,6 +585,7 @@ cdef class RdmaBackend(Backend):
         self.pinned = {}
         self.params = dict(params)
         self.c.timeout_ns = <uint64_t>(params["timeout"] * 1e9)
+        self.c.window_ns = <uint64_t>(params["reconnect"] * 1e9)
         self.c.chunk = params["chunk"]
         self.device = Device(params["dev"], params["port"], params["gid"])
         self.qp = QueuePair(self.device)
@@ -505,27 +617,151 @@ cdef class RdmaBackend(Backend):
         self.c.rkey = self.server["rkey"]
         self.c.qp = self.qp.q
         self.c.dev = self.device.d
+        self.c.ctl_fd = self.conn.sock.fileno()
         self.c.gone = 0
         self._use_device(size, CXL_CAP_COHERENT | CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, node,
                          &self.c, &RDMA_OPS)
-        self.watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self.conn),
+        self.watcher = threading.Thread(target=_supervise, args=(weakref.ref(self), self.conn),
                                         name="cxlrt-rdma-watch", daemon=True)
         self.watcher.start()
 
-    cdef _lost(self, str why):
-        cdef bint lost = False
+    cdef bint _lost(self, str why):
+        """The control connection ended: True if the supervisor should attach again
+        (its old socket is no longer ours to shut down from here on)."""
+        cdef bint again = False, final = False
         with nogil:  # under the lock: a failure an access reports at once keeps its cause
             pthread_mutex_lock(&self.c.lock)
             if not self.c.gone and not self.c.broken:
-                self.c.fail_kind = -1
-                cxl_atomic_store_release32(&self.c.broken, 1)
-                lost = True
+                self.c.ctl_fd = -1
+                if self.c.window_ns == 0:
+                    _fail(&self.c, -1, 0)
+                    final = True
+                else:
+                    if not self.c.reconnecting:
+                        _interrupt(&self.c, -1, 0)
+                    again = True
             pthread_mutex_unlock(&self.c.lock)
-        if lost:
+        if final or (again and self.c.cause_kind == -1):
+            self.why = why
+        return again
+
+    def _reconnect(self):
+        """Attach again (the supervisor's thread) until it works, the window runs out
+        or the server refuses this attachment for good; the new control connection,
+        or None."""
+        delay, last = 0.02, "no attempt finished"
+        while not self.c.gone and not self.c.broken:
+            try:
+                return self._reattach()
+            except _Refused as e:
+                self._give_up(CXV_REFUSED, str(e))
+                return None
+            except OSError as e:  # refused, unreachable, timed out, a protocol error
+                last = str(e)
+            left = (<double>self.c.outage_ns + self.c.window_ns - cxv_now_ns()) / 1e9
+            if left <= 0:
+                self._give_up(CXV_GAVE_UP, last)
+                return None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.5)
+        return None
+
+    def _reattach(self):
+        cdef QueuePair qp = QueuePair(self.device)
+        try:
+            conn, server = _wire.attach(
+                self.path, node=self.reg.node, qpn=qp.qpn, psn=qp.psn, gid=self.device.gid,
+                mtu=self.device.mtu, rd_atom=self.device.rd_atom,
+                timeout=self.params["timeout"], claim=self.claimed)
+        except _wire.ClaimRefused as e:
+            qp.close()
+            raise _Refused(str(e)) from None
+        except BaseException:
+            qp.close()
+            raise
+        swapped = False
+        try:
+            if server["size"] != self.reg.size:
+                raise _Refused(f"rdma:{self.path}: the server's region is now "
+                               f"{server['size']} bytes, not {self.reg.size}")
+            qp.connect(server["qpn"], server["psn"], server["gid"], server.get("mtu", 0),
+                       server.get("rd_atom", 0))
+            self._same_region(qp, server)
+            swapped = self._swap(qp, conn, server)
+        finally:
+            if not swapped:
+                conn.close()
+                qp.close()
+        return conn if swapped else None
+
+    def _same_region(self, QueuePair qp, dict server):
+        """Read the superblock through the new queue pair: the served memory must be
+        the region this attachment was bound to (a server restarted on a re-formatted
+        or other file keeps the name and the size, but not the uuid)."""
+        from cxlrt import superblock as _sb
+        from cxlrt.errors import RegionError
+        cdef bytearray raw = bytearray(_sb.SB_BYTES)
+        cdef char* dst = raw
+        cdef uint64_t n = len(raw), raddr = server["addr"]
+        cdef uint32_t rkey = server["rkey"]
+        cdef int r, st = 0
+        if self.uuid is None:
+            return
+        with nogil:  # c.small is the accesses' buffer; none runs while we reconnect
+            pthread_mutex_lock(&self.c.lock)
+            r = cxv_xfer(&qp.q, False, self.c.small, self.c.small_mr.lkey, raddr, rkey, n,
+                         self.c.chunk, self.c.timeout_ns, &st)
+            if r == CXV_OK:
+                memcpy(dst, self.c.small, n)
+            pthread_mutex_unlock(&self.c.lock)
+        if r != CXV_OK:
+            raise OSError(f"rdma:{self.path}: reading the superblock after reconnecting: "
+                          f"{_describe(r, st)}")
+        try:
+            uuid = _sb.unpack(bytes(raw), self.reg.size, f"rdma:{self.path}")["uuid"]
+        except RegionError as e:
+            raise _Refused(f"rdma:{self.path}: the served memory is no longer this region "
+                           f"({e})") from None
+        if uuid != self.uuid:
+            raise _Refused(f"rdma:{self.path}: the server now serves another region under "
+                           f"this name (uuid {uuid:#x}, attached to {self.uuid:#x})")
+
+    def _swap(self, QueuePair qp, conn, dict server):
+        """Put the new attachment in place and let the waiting accesses go on."""
+        cdef QueuePair old = None
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+        try:
+            if self.c.gone or self.c.broken:
+                return False
+            old, self.qp, self.conn, self.server = self.qp, qp, conn, server
+            self.c.qp = qp.q
+            self.c.raddr = server["addr"]
+            self.c.rkey = server["rkey"]
+            self.c.ctl_fd = conn.sock.fileno()
+            self.c.reconnects += 1
+            cxl_atomic_store_release32(&self.c.reconnecting, 0)
+        finally:
+            pthread_mutex_unlock(&self.c.lock)
+        old.close()  # its last user was the access that failed; none can reach it now
+        return True
+
+    def _give_up(self, int kind, str why):
+        cdef bint done = False
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            if not self.c.gone and not self.c.broken:
+                _fail(&self.c, kind, 0)
+                _hang_up(&self.c)
+                done = True
+            pthread_mutex_unlock(&self.c.lock)
+        if done:
             self.why = why
 
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
-        """Nothing per node: every node reaches the server's memory."""
+        """Nothing per node: every node reaches the server's memory. The uuid is kept:
+        a reconnect must find this region, not another under the same name."""
+        self.uuid = uuid
 
     def claim(self, int nodes):
         """Tell the server this attachment is node `node` of `nodes` (Region calls it when
@@ -539,23 +775,53 @@ cdef class RdmaBackend(Backend):
                            "host": f"{host_id():016x}"}, self.params["timeout"])
         except _wire.RdmaServerError as e:
             raise NodeClaimError(str(e)) from None
+        self.claimed = nodes  # a reconnect claims the node again in its handshake
 
     def failure(self):
-        """Why the attachment broke, or None while it works."""
+        """Why the attachment broke for good, or None while it works or reconnects."""
         if not self.c.broken:
             return None
         if self.c.fail_kind == -1:
             return f"the server closed the control connection ({self.why})"
-        what = _KINDS.get(self.c.fail_kind, f"failure {self.c.fail_kind}")
-        if self.c.fail_kind == CXV_WC:
-            what += f": {_WC.get(self.c.fail_status, f'status {self.c.fail_status}')}"
-        elif self.c.fail_kind == CXV_TIMEOUT:
+        if self.c.fail_kind == CXV_REFUSED:
+            return self.why
+        what = self._what(self.c.fail_kind, self.c.fail_status)
+        if self.c.fail_kind == CXV_GAVE_UP:
+            what = (f"the server did not come back within {self.params['reconnect']} s "
+                    f"(the outage began with: "
+                    f"{self._what(self.c.cause_kind, self.c.cause_status)}; "
+                    f"the last attempt: {self.why})")
+        return what
+
+    def outage(self):
+        """While accesses wait for the server to come back: what began the outage, and
+        for how many seconds it has lasted; else None."""
+        if not self.c.reconnecting or self.c.broken:
+            return None
+        return (self._what(self.c.cause_kind, self.c.cause_status),
+                (cxv_now_ns() - self.c.outage_ns) / 1e9)
+
+    def _what(self, int kind, int status):
+        if kind == -1:
+            return f"the server closed the control connection ({self.why})"
+        what = _describe(kind, status)
+        if kind == CXV_TIMEOUT:
             what += f" ({self.params['timeout']} s)"
         return what
 
     def _set_rkey(self, unsigned int rkey):
         """Test hook: address the server's memory with another key from now on."""
         self.c.rkey = rkey
+
+    def _stall(self):
+        """Test hook: the queue pair stops completing requests (a hung device)."""
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            rc = cxv_qp_stall(&self.c.qp)
+            pthread_mutex_unlock(&self.c.lock)
+        if rc != 0:
+            raise OSError(-rc, "rdma: moving the queue pair to the drain state")
 
     def register(self, obj):
         """Register a writable buffer (numpy array, bytearray, CPU tensor's numpy view)
@@ -623,7 +889,9 @@ cdef class RdmaBackend(Backend):
 
     def stats(self):
         return {"requests": self.c.ops, "bytes": self.c.bytes, "direct_bytes": self.c.direct,
-                "registered": self.c.nregs, "broken": bool(self.c.broken)}
+                "registered": self.c.nregs, "broken": bool(self.c.broken),
+                "reconnecting": bool(self.c.reconnecting and not self.c.broken),
+                "reconnects": self.c.reconnects}
 
     cpdef close(self):
         # Closed first; then the queue pair's lock waits out an access in flight (each
@@ -642,6 +910,7 @@ cdef class RdmaBackend(Backend):
         with nogil:
             pthread_mutex_lock(&self.c.lock)
             self.c.gone = 1
+            self.c.ctl_fd = -1
             _drop_regs(&self.c)
             pthread_mutex_unlock(&self.c.lock)
         if self.conn is not None:
@@ -671,14 +940,33 @@ cdef class RdmaBackend(Backend):
         free(self.c.bounce)
 
 
-def _watch(ref, conn):
-    """Break the attachment as soon as the server's end of the control connection
-    goes, rather than at the next access's transport retries (weak: a region dropped
-    without close() is still freed, and its dealloc hangs up)."""
-    why = conn.wait_closed()
-    cdef RdmaBackend b = ref()
-    if b is not None:
-        b._lost(why)
+class _Refused(Exception):
+    """The server is back but this attachment cannot resume: not worth trying again."""
+
+
+def _describe(int kind, int status):
+    what = _KINDS.get(kind, f"failure {kind}")
+    if kind == CXV_WC:
+        what += f": {_WC.get(status, f'status {status}')}"
+    return what
+
+
+def _supervise(ref, conn):
+    """The attachment's supervisor: it reads the control connection, and when that
+    ends (the server went, or an access hung up on a failed READ) it attaches again,
+    or breaks the attachment for good. It notices a server that went at once, not at
+    the next access's transport retries. Weak: a region dropped without close() is
+    still freed, and its dealloc hangs up."""
+    cdef RdmaBackend b
+    while conn is not None:
+        why = conn.wait_closed()
+        b = ref()
+        if b is None:
+            return
+        again = b._lost(why)
+        conn.close()
+        conn = b._reconnect() if again else None
+        b = None
 
 
 def mapped_address(Backend b):

@@ -233,6 +233,15 @@ static int cxv_qp_connect(cxv_dev* d, cxv_qp* q, uint32_t rqpn, uint32_t rpsn,
     return 0;
 }
 
+/* Test hook: the send queue to the drain state, in which the device takes requests
+ * and never starts them: a queue pair that stops completing, as a hung device would. */
+static int cxv_qp_stall(cxv_qp* q) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof(a));
+    a.qp_state = IBV_QPS_SQD;
+    return ibv_modify_qp(q->qp, &a, IBV_QP_STATE) != 0 ? -errno : 0;
+}
+
 static void cxv_qp_destroy(cxv_qp* q) {
     if (q->qp) ibv_destroy_qp(q->qp);
     if (q->cq) ibv_destroy_cq(q->cq);

@@ -166,7 +166,10 @@ def test_rdma_server_on_cxl_memory_in_a_guest(cxl, served):
 def test_rdma_failures_in_a_guest():
     """Refused connection, unknown region, wrong geometry, a corrupted key, the server
     killed and restarted (the cut-off client's hold is broken, `cxlrt check` is clean),
-    the server stopped: each a clear error within the bound."""
+    the server stopped: each a clear error within the bound. Reconnects: a stale key
+    renewed, a failed write never repeated, an outage inside the lease resumed, one
+    past it fenced like a stall, another region under the name refused, the window
+    running out, and a queue pair that stops completing (the deadline)."""
     _have_rdma_module()
     out = _rdma_run("none", lambda serve: (
         f"sh {SCRIPTS}/rxe-up.sh lo && {sys.executable} tests/lab/rdma_failures.py"))
@@ -175,7 +178,11 @@ def test_rdma_failures_in_a_guest():
                  "registered and unregistered buffers",
                  "corrupted key", "server killed",
                  "hold of a cut-off client broken", "cxlrt check after the restart",
-                 "server stopped"):
+                 "corrupted key renewed by a reconnect", "failed write never repeated",
+                 "outage inside the lease resumed", "outage past the lease fenced like a stall",
+                 "cxlrt check after the reconnects", "another region under the name refused",
+                 "server not back within the window", "no completion: the deadline",
+                 "no completion: a new queue pair", "server stopped"):
         assert f"PASS {case}" in out, case
 
 

@@ -2,7 +2,11 @@
 
 Each case prints ``PASS <case> (<seconds> s)`` or raises. The bound every failure
 must meet is BOUND_S: the backend's access timeout (rdma:'s `timeout`, 5 s by
-default) plus the TCP connect timeout, with room for a TCG guest.
+default) plus the TCP connect timeout, with room for a TCG guest; with reconnecting
+on, the bound is the `reconnect` window plus that.
+
+The server serves two regions: r0 (the default 2 s lease) and r1 (a 60 s lease, so
+that an outage of a few seconds stays inside it).
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ PY = sys.executable
 PORT = 7480
 BOUND_S = 10.0
 FILE = "/tmp/rdma-fail-region"
+FILE1 = "/tmp/rdma-fail-region1"
 
 
 def start_server(name="r0"):
     log = open(f"/tmp/rdma-fail-{PORT}.log", "ab")
-    p = subprocess.Popen([PY, "-m", "cxlrt", "serve", f"{name}=file:{FILE}", "--listen",
-                          f"127.0.0.1:{PORT}"], stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen([PY, "-m", "cxlrt", "serve", f"r0=file:{FILE}", f"r1=file:{FILE1}",
+                          "--listen", f"127.0.0.1:{PORT}"], stdout=log,
+                         stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -56,11 +62,20 @@ def expect(exc, fn, match=""):
     raise AssertionError(f"expected {exc.__name__}")
 
 
+def kill(server):
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+
+
 def main():
     spec = f"rdma:127.0.0.1:{PORT}/r0"
-    if os.path.exists(FILE):
-        os.unlink(FILE)
+    spec0 = spec + "?reconnect=0"  # the first failure breaks the attachment for good
+    spec1 = f"rdma:127.0.0.1:{PORT}/r1"
+    for f in (FILE, FILE1):
+        if os.path.exists(f):
+            os.unlink(f)
     cxlrt.format(f"file:{FILE}", size="16M", nodes=4)
+    cxlrt.format(f"file:{FILE1}", size="16M", nodes=4, lease=60)
 
     timed("connection refused", lambda: expect(
         ConnectionRefusedError, lambda: cxlrt.open(spec, node=1), "nothing listens"))
@@ -120,7 +135,7 @@ def main():
 
     # A key that is no longer valid: the server side checks every request against the
     # registered region's key; a wrong one completes with a remote access error.
-    r = cxlrt.open(spec, node=1)
+    r = cxlrt.open(spec0, node=1)
     off = r.alloc(4096)
     r.dma_write(off, b"x" * 4096)
     r.backend._set_rkey(r.backend.server["rkey"] ^ 0x5A5A)
@@ -136,10 +151,32 @@ def main():
     timed("corrupted key", bad_key)
     r.close()
 
+    # With reconnecting on, a READ refused for its key is a clean break: the attachment
+    # is made again, with the server's key, and the read goes on.
+    r = cxlrt.open(spec, node=1)
+    r.backend._set_rkey(r.backend.server["rkey"] ^ 0x5A5A)
+
+    def key_renewed():
+        assert r.dma_read(off, 4096) == b"x" * 4096
+        assert r.backend.failure() is None, r.backend.failure()
+        assert r.backend.stats()["reconnects"] == 1, r.backend.stats()
+    timed("corrupted key renewed by a reconnect", key_renewed)
+    # A WRITE refused for its key may not be repeated (a WRITE can land after its
+    # failure): broken for good, whatever the window.
+    r.backend._set_rkey(r.backend.server["rkey"] ^ 0x5A5A)
+    timed("failed write never repeated", lambda: (
+        expect(OSError, lambda: r.dma_write(off, b"y" * 4096)),
+        expect(OSError, lambda: r.dma_read(off, 8))))
+    assert "remote access error" in r.backend.failure(), r.backend.failure()
+    r.close()
+    r = cxlrt.open(spec, node=1)
+    r.free(off)
+    r.close()
+
     # The server killed while a client holds a lock: the client's next access fails
     # within the bound, and its hold is broken like a stalled node's once the server
     # is back (the region file is the same; the keys are new).
-    a = cxlrt.open(spec, node=1)
+    a = cxlrt.open(spec0, node=1)
     lock = a.lock("held")
     lock.acquire()
     blk = a.alloc(1 << 16)
@@ -178,8 +215,11 @@ def main():
     assert not problems, problems
     print("PASS cxlrt check after the restart", flush=True)
 
+    reconnect_cases(server, spec, spec1)
+    server = start_server()
+
     # The server stopped cleanly tells its clients at once.
-    c = cxlrt.open(spec, node=3)
+    c = cxlrt.open(spec0, node=3)
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=30)
 
@@ -194,6 +234,119 @@ def main():
     except Exception:  # noqa: BLE001
         pass
     print("rdma failures: all passed", flush=True)
+
+
+def reconnect_cases(server, spec, spec1):
+    """The server killed and back: what waits, what resumes, what is fenced. Returns
+    with the server stopped."""
+    import threading
+
+    # An outage inside the lease: the holder's hold survives, its accesses wait and go
+    # on, and its release lands (the next node takes the lock at once).
+    x = cxlrt.open(spec1, node=1)
+    lk = x.lock("resume")
+    lk.acquire()
+    off = x.alloc(1 << 16)
+    data = os.urandom(1 << 16)
+    x.dma_write(off, data)
+    kill(server)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(x.dma_read(off, 1 << 16)))
+    reader.start()
+    deadline = time.monotonic() + BOUND_S
+    while x.backend.outage() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert x.backend.outage() is not None, "no outage seen with the server killed"
+    assert reader.is_alive(), "an access returned while the server was down"
+    server = start_server("r1")
+    t = time.monotonic()
+    reader.join(BOUND_S)
+
+    def resumed():
+        assert not reader.is_alive() and got == [data], "the waiting read did not resume"
+        assert x.backend.failure() is None and x.backend.outage() is None
+        assert x.backend.stats()["reconnects"] == 1, x.backend.stats()
+        lk.release()  # inside the 60 s lease: no LeaseLost
+        y = cxlrt.open(spec1, node=2)
+        ly = y.lock("resume")
+        assert ly.acquire(timeout=5), "the resumed holder's release did not land"
+        ly.release()
+        y.close()
+    t0 = time.monotonic()
+    resumed()
+    print(f"PASS outage inside the lease resumed ({t0 - t:.2f} s after the server "
+          f"listened, {time.monotonic() - t0:.2f} s more)", flush=True)
+    x.free(off)
+    x.close()
+
+    # An outage past the lease is a stall: the holder comes back, and its release is
+    # published but raises LeaseLost (another node may have held the lock meanwhile).
+    s = cxlrt.open(spec + "?reconnect=60", node=3)
+    lease = s.lease_ms / 1000
+    ls = s.lock("stalled")
+    ls.acquire()
+    kill(server)
+    time.sleep(lease * 2)
+    server = start_server()
+
+    def stalled():
+        s.load64(0)  # waits for the reconnect
+        assert s.backend.stats()["reconnects"] == 1
+        expect(cxlrt.LeaseLost, ls.release, "silent")
+        o = cxlrt.open(spec, node=2)
+        lo = o.lock("stalled")
+        assert lo.acquire(timeout=5), "the stalled holder's release did not land"
+        lo.release()
+        o.close()
+    timed("outage past the lease fenced like a stall", stalled)
+    s.close()
+    for sp in (spec, spec1):
+        problems = check(sp)["problems"]
+        assert not problems, (sp, problems)
+    print("PASS cxlrt check after the reconnects", flush=True)
+
+    # The server back on another region under the same name: refused, for good.
+    z = cxlrt.open(spec1 + "?reconnect=60", node=3)
+    kill(server)
+    cxlrt.format(f"file:{FILE1}", size="16M", nodes=4, lease=60, force=True)
+    server = start_server("r1")
+    timed("another region under the name refused", lambda: (
+        expect(OSError, lambda: z.load64(0)),
+        expect(OSError, lambda: z.load64(0))))
+    assert "another region" in z.backend.failure(), z.backend.failure()
+    z.close()
+
+    # The server not back within the window: the waiting access fails then, naming it.
+    w = cxlrt.open(spec + "?reconnect=2", node=3)
+    kill(server)
+    t = time.monotonic()
+    expect(OSError, lambda: w.load64(0))
+    dt = time.monotonic() - t
+    assert 1.5 < dt < 2 + BOUND_S, f"gave up after {dt:.1f} s, not the 2 s window"
+    assert "did not come back within 2.0 s" in w.backend.failure(), w.backend.failure()
+    print(f"PASS server not back within the window ({dt:.2f} s)", flush=True)
+    w.close()
+
+    # A queue pair that stops completing (a hung device; rxe gives up on a lost peer
+    # by itself, in about 0.5 s, so the hang is made by a test hook): the access's
+    # deadline ends it. With reconnecting on, the READ goes on over a new queue pair.
+    server = start_server()
+    v0 = cxlrt.open(spec + "?reconnect=0&timeout=1", node=1)
+    v = cxlrt.open(spec + "?timeout=1", node=2)
+    word = v.load64(0)
+    v0.backend._stall()
+    timed("no completion: the deadline", lambda: expect(OSError, lambda: v0.load64(0)))
+    assert "no completion for the attachment's timeout (1.0 s)" in v0.backend.failure(), \
+        v0.backend.failure()
+    v.backend._stall()
+
+    def healed():
+        assert v.load64(0) == word
+        assert v.backend.stats()["reconnects"] == 1 and v.backend.failure() is None
+    timed("no completion: a new queue pair", healed)
+    v0.close()
+    v.close()
+    kill(server)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
-from cxlrt.backend cimport Backend, CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH, cxl_ops
+from cxlrt.backend cimport (Backend, CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
+                            CXL_HINT_REFUSED, CXL_HINT_REPEAT, cxl_ops)
 from cxlrt.includes.intrin cimport cxl_atomic_load_acquire32, cxl_atomic_store_release32
-from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO
+from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO, CXLRT_E_UNSUPPORTED
 
 import os
 import threading
@@ -121,6 +122,7 @@ cdef enum:
     BOUNCE = 4 << 20      # staging for dma_read/dma_write, in `chunk` requests
     DEPTH = 16            # requests in flight per queue pair
     REG_MAX = 32          # buffers registered at once (RdmaBackend.register)
+    REPEAT_MAX = 4        # ranges whose writes may be repeated (CXL_HINT_REPEAT)
 
 
 # What a failure looks like from here: cxv_xfer's kind, then the completion status.
@@ -161,6 +163,9 @@ ctypedef struct rdma_ctx:
     int cause_kind          # what began the outage (a CXV_* kind, -1 the server hung up)
     int cause_status
     uint64_t reconnects
+    uint64_t rep_off[REPEAT_MAX]  # CXL_HINT_REPEAT's ranges, under `lock`
+    uint64_t rep_len[REPEAT_MAX]
+    uint32_t nrep
     uint32_t gen            # _fork_gen when attached
     uint32_t gone           # close() freed the queue pair and buffers
     int fail_kind
@@ -275,6 +280,15 @@ cdef void _await_released(rdma_ctx* c) noexcept nogil:
         _await(c)
 
 
+cdef bint _repeatable(rdma_ctx* c, uint64_t off, uint64_t n) noexcept nogil:
+    """A write to [off, off+n) may be written again after a lost completion (lock held)."""
+    cdef uint32_t i
+    for i in range(c.nrep):
+        if c.rep_off[i] <= off and n <= c.rep_len[i] and off - c.rep_off[i] <= c.rep_len[i] - n:
+            return True
+    return False
+
+
 cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
                bint big) noexcept nogil:
     """One attempt at the transfer (lock held): 0, CXLRT_E_IO (broken for good) or
@@ -312,7 +326,7 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     if r == CXV_OK:
         c.outage_ns = 0  # the attachment works again: a later failure is a new outage
         return 0
-    if write or c.window_ns == 0:
+    if c.window_ns == 0 or (write and not _repeatable(c, off, n)):
         _hang_up(c)
         return _fail(c, r, st)
     _interrupt(c, r, st)
@@ -385,10 +399,30 @@ cdef int rdma_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) no
     return _xfer(<rdma_ctx*>ctx, True, off, <char*>src, n, True)
 
 
+cdef int rdma_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
+    # The heartbeat's words: a beat whose completion was lost is written again after a
+    # reconnect rather than ending the attachment (an idle client's only writes).
+    cdef rdma_ctx* c = <rdma_ctx*>ctx
+    cdef int rc = 0
+    if kind != CXL_HINT_REPEAT:
+        return CXLRT_E_UNSUPPORTED
+    if c.gen != _fork_gen:
+        return CXLRT_E_IO
+    pthread_mutex_lock(&c.lock)
+    if c.nrep >= REPEAT_MAX:
+        rc = CXL_HINT_REFUSED
+    else:
+        c.rep_off[c.nrep] = a
+        c.rep_len[c.nrep] = b
+        c.nrep += 1
+    pthread_mutex_unlock(&c.lock)
+    return rc
+
+
 cdef cxl_ops RDMA_OPS = cxl_ops(
     load=rdma_load, store=rdma_store, load64=rdma_load64, store64=rdma_store64,
     flush=rdma_flush, flush_nodrain=rdma_flush, fence=rdma_fence,
-    dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=NULL)
+    dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=rdma_hint)
 
 
 PARAMS = {

@@ -75,6 +75,10 @@ cdef enum:
     #                       CXL_HINT_REFUSED no room the device can spare (read it directly)
     CXL_HINT_WAIT = 4     # (off, n): wait until the staged pages of the range have landed
     CXL_HINT_RELEASE = 5  # (off, n): the range was consumed: give its hold back
+    CXL_HINT_REPEAT = 6   # (off, n): this process's writes to the range may be written
+    #                       again if their completion is lost (only its node writes there,
+    #                       and a stale value is harmless: the heartbeat). 0 noted,
+    #                       CXL_HINT_REFUSED no room to note more
     CXL_HINT_REFUSED = 1  # a hint's positive "no" (not an error)
 
 

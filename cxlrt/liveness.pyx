@@ -13,8 +13,8 @@ cimport cython
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport (Backend, cxl_flush, cxl_load, cxl_load64, cxl_observe, cxl_observe64,
-                            cxl_persist, cxl_store64)
+from cxlrt.backend cimport (Backend, CXL_HINT_REPEAT, cxl_flush, cxl_hint, cxl_load, cxl_load64,
+                            cxl_observe, cxl_observe64, cxl_persist, cxl_store64)
 from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
                                     cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns, cxl_coarse_slack_ns)
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
@@ -321,6 +321,10 @@ cdef class Liveness:
                              (AREA_STATE, CXL_NODE_ATTACHED)):
             r.store64(off + field, value)
         r.persist(off, CXL_LINE_SIZE)
+        # Only this node writes its beat words, and a stale beat only says "alive" late:
+        # a medium that can lose a write's completion may write them again (rdma:).
+        cxl_hint(self.V.r, CXL_HINT_REPEAT, off + AREA_BEAT, 8)
+        cxl_hint(self.V.r, CXL_HINT_REPEAT, off + AREA_WALL, 8)
         with nogil:
             _beat_once(&self.V)  # alive from the first instant (and last_beat set)
         if self.V.beat_rc:

@@ -344,6 +344,20 @@ def reconnect_cases(server, spec, spec1):
         assert v.load64(0) == word
         assert v.backend.stats()["reconnects"] == 1 and v.backend.failure() is None
     timed("no completion: a new queue pair", healed)
+
+    # The heartbeat's words may be written again (the liveness layer says so through
+    # CXL_HINT_REPEAT): a beat whose completion is lost costs a reconnect, not the
+    # attachment. Nothing but the beat thread touches `v` here.
+    v.backend._stall()
+
+    def beat_repeated():
+        deadline = time.monotonic() + BOUND_S
+        while v.backend.stats()["reconnects"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert v.backend.stats()["reconnects"] == 2, v.backend.stats()
+        assert v.backend.failure() is None, v.backend.failure()
+        assert v.load64(0) == word
+    timed("a beat whose completion was lost written again", beat_repeated)
     v0.close()
     v.close()
     kill(server)

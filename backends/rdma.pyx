@@ -801,12 +801,13 @@ cdef class RdmaBackend(Backend):
         """Tell the server this attachment is node `node` of `nodes` (Region calls it when
         it announces the node; observers and tools do not). The server refuses a node
         that another host holds: each node is one host, whose processes share node-local
-        state no other host can see."""
-        from cxlrt.liveness import host_id
+        state no other host can see. "Host" is the node-local home (cxlrt.nodelocal.
+        home_id: the kernel's boot and the node-local directory), not the hostname."""
         from cxlrt.errors import NodeClaimError
+        from cxlrt.nodelocal import home_id
         try:
             self.conn.ask({"op": "claim", "node": self.reg.node, "nodes": nodes,
-                           "host": f"{host_id():016x}"}, self.params["timeout"])
+                           "host": f"{home_id():016x}"}, self.params["timeout"])
         except _wire.RdmaServerError as e:
             raise NodeClaimError(str(e)) from None
         self.claimed = nodes  # a reconnect claims the node again in its handshake

@@ -234,9 +234,12 @@ class Server:
         claims it (their processes would not share the node's local lock state)."""
         if att is None:
             return {"ok": False, "error": "claim before attach"}
-        node, host = msg.get("node"), str(msg.get("host", "?"))
+        node, host, nodes = msg.get("node"), str(msg.get("host", "?")), msg.get("nodes")
         if node != att.node or host != att.host:
             return {"ok": False, "error": "claim does not match the attachment"}
+        if type(nodes) is not int or not 0 <= node < nodes:
+            return {"ok": False, "error": f"node {node} is not one of the region's {nodes} "
+                                          "nodes"}
         with self.lock:
             for other in self.attached.values():
                 if other is not att and other.claimed and other.region == att.region and \

@@ -175,6 +175,7 @@ def test_rdma_failures_in_a_guest():
         f"sh {SCRIPTS}/rxe-up.sh lo && {sys.executable} tests/lab/rdma_failures.py"))
     assert "rdma failures: all passed" in out
     for case in ("connection refused", "unknown region", "node held by another host",
+                 "node outside the count refused by the server",
                  "registered and unregistered buffers",
                  "corrupted key", "server killed",
                  "hold of a cut-off client broken", "cxlrt check after the restart",

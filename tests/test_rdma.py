@@ -171,3 +171,68 @@ def test_region_names_come_from_the_medium_or_are_given():
 def test_serve_tells_a_bad_region_before_anything_else(args, msg, capsys):
     assert cli(["serve", *args, "--listen", "127.0.0.1:0"]) == 2
     assert msg in capsys.readouterr().err
+
+
+class ScriptedServer:
+    """Answers the client's messages in order with `replies`, then holds the line."""
+
+    def __init__(self, replies):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.replies = list(replies)
+        self.seen = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        conn, _ = self.sock.accept()
+        with conn, conn.makefile("rb") as f:
+            for reply in self.replies:
+                self.seen.append(json.loads(f.readline()))
+                conn.sendall(reply)
+            f.readline()
+
+    def close(self):
+        self.sock.close()
+
+
+ATTACHED = (b'{"ok":true,"size":16777216,"addr":4096,"rkey":7,"qpn":9,"psn":1,'
+            b'"gid":"00000000000000000000ffff7f000001"}\n')
+
+
+@pytest.mark.parametrize("claim_reply,exc", [
+    (b'{"ok":true}\n', None),
+    (b'{"ok":false,"error":"node 1 of r0 is held by host 00000000deadbeef"}\n',
+     wire.ClaimRefused),
+])
+def test_a_reconnect_claims_its_node_in_the_attach_handshake(claim_reply, exc):
+    from cxlrt.nodelocal import home_id
+    srv = ScriptedServer([ATTACHED, claim_reply])
+    try:
+        args = dict(node=1, qpn=5, psn=6, gid="00" * 16, timeout=5, claim=4)
+        if exc is None:
+            conn, reply = wire.attach(f"127.0.0.1:{srv.port}/r0", **args)
+            conn.close()
+            assert reply["rkey"] == 7
+        else:
+            with pytest.raises(exc, match="held by host"):
+                wire.attach(f"127.0.0.1:{srv.port}/r0", **args)
+        attach, claim = srv.seen
+        assert attach["op"] == "attach" and claim["op"] == "claim"
+        assert claim["node"] == 1 and claim["nodes"] == 4
+        assert claim["host"] == attach["host"] == f"{home_id():016x}"
+    finally:
+        srv.close()
+
+
+def test_home_id_names_where_node_local_state_lives(tmp_path, monkeypatch):
+    """Two processes may claim one node only if they share its node-local files: the id
+    follows the node-local directory, not the hostname."""
+    from cxlrt.nodelocal import home_id
+    here = home_id()
+    assert here == home_id()
+    monkeypatch.setenv("CXLRT_LOCAL_DIR", str(tmp_path))
+    other = home_id()
+    assert other != here
+    (tmp_path / "inner").mkdir()
+    monkeypatch.setenv("CXLRT_LOCAL_DIR", str(tmp_path / "inner"))
+    assert home_id() not in (here, other)

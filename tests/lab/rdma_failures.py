@@ -105,6 +105,11 @@ def main():
         wire.RdmaServerError,
         lambda: conn.ask({"op": "claim", "node": 1, "nodes": 4, "host": "00000000deadbeef"}, 5),
         "held by host"))
+    # The server checks the node against the count itself, not only Region's attach.
+    timed("node outside the count refused by the server", lambda: expect(
+        wire.RdmaServerError,
+        lambda: conn.ask({"op": "claim", "node": 1, "nodes": 1, "host": "00000000deadbeef"}, 5),
+        "not one of the region's 1 nodes"))
     conn.close()
     qp.close()
     holder.close()

@@ -198,8 +198,8 @@ def attach(path: str, *, node: int, qpn: int, psn: int, gid: str, timeout: float
     `claim` (the region's node count) also claims the node, before anyone else reads
     the connection: a reconnect restores its claim in the same handshake."""
     if host is None:
-        from cxlrt.nodelocal import home_id
-        host = f"{home_id():016x}"
+        from cxlrt.liveness import claim_id
+        host = f"{claim_id():016x}"
     sock, name = _connect(path, timeout)
     f = sock.makefile("rb")
     try:

@@ -117,6 +117,7 @@ cdef enum:
     CXV_FORKED = 100      # failure kinds of ours: used in a forked child,
     CXV_GAVE_UP = 101     # the server not back within the reconnect window,
     CXV_REFUSED = 102     # the server back, but refusing this attachment (see `why`)
+    CXV_AGAIN = 103       # one READ failing on every new attachment for the whole window
     RETRY = 1             # _move: the transfer was cut by a clean break; go again
     SMALL = 64 << 10      # staging for metadata accesses
     BOUNCE = 4 << 20      # staging for dma_read/dma_write, in `chunk` requests
@@ -130,7 +131,8 @@ _KINDS = {CXV_FORKED: "used in a forked child: an RDMA attachment belongs to the
                       "that opened it (open the region again in the child)",
           CXV_POST: "posting a request failed", CXV_WC: "a completion error",
           CXV_TIMEOUT: "no completion for the attachment's timeout", CXV_POLL: "polling failed",
-          CXV_GAVE_UP: "the server did not come back within the reconnect window"}
+          CXV_GAVE_UP: "the server did not come back within the reconnect window",
+          CXV_AGAIN: "a READ kept failing across reconnects for the whole window"}
 # ibv_wc_status values worth naming (infiniband/verbs.h).
 _WC = {5: "flushed (the queue pair is in error)", 9: "remote invalid request",
        10: "remote access error (a key that is no longer valid, or out of range)",
@@ -163,6 +165,7 @@ ctypedef struct rdma_ctx:
     int cause_kind          # what began the outage (a CXV_* kind, -1 the server hung up)
     int cause_status
     uint64_t reconnects
+    uint64_t repeated       # writes written again after a lost completion (CXL_HINT_REPEAT)
     uint64_t rep_off[REPEAT_MAX]  # CXL_HINT_REPEAT's ranges, under `lock`
     uint64_t rep_len[REPEAT_MAX]
     uint32_t nrep
@@ -254,30 +257,23 @@ cdef void _interrupt(rdma_ctx* c, int kind, int st) noexcept nogil:
     _hang_up(c)
 
 
-cdef void _await(rdma_ctx* c) noexcept nogil:
+cdef void _await(rdma_ctx* c, uint64_t deadline) noexcept nogil:
     """Wait, lock not held, until the outage ends, the attachment is closed or broken,
-    or the window runs out (then it is broken for good, by whoever sees it first)."""
+    or the access's deadline passes (the caller then breaks the attachment)."""
     while (cxl_atomic_load_acquire32(&c.reconnecting) and not c.gone
-           and not cxl_atomic_load_acquire32(&c.broken)):
-        if cxv_now_ns() - c.outage_ns > c.window_ns:
-            pthread_mutex_lock(&c.lock)
-            if c.reconnecting and not c.broken and not c.gone:
-                _fail(c, CXV_GAVE_UP, 0)
-                _hang_up(c)
-            pthread_mutex_unlock(&c.lock)
-            return
+           and not cxl_atomic_load_acquire32(&c.broken) and cxv_now_ns() < deadline):
         usleep(2000)
 
 
-cdef void _await_released(rdma_ctx* c) noexcept nogil:
+cdef void _await_released(rdma_ctx* c, uint64_t deadline) noexcept nogil:
     # The supervisor is a Python thread: a caller that holds the GIL (a small access
     # from Python) must let go of it while it waits, or the outage could never end.
     if PyGILState_Check():
         with gil:
             with nogil:
-                _await(c)
+                _await(c, deadline)
     else:
-        _await(c)
+        _await(c, deadline)
 
 
 cdef bint _repeatable(rdma_ctx* c, uint64_t off, uint64_t n) noexcept nogil:
@@ -295,7 +291,7 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     RETRY (a READ cut by a clean break: repeat it once the attachment is back)."""
     cdef char* stage = c.bounce if big else c.small
     cdef uint32_t lkey
-    cdef uint64_t cap = BOUNCE if big else SMALL, k
+    cdef uint64_t cap = BOUNCE if big else SMALL, k, off0 = off, n0 = n
     cdef int r = CXV_OK, st = 0, i = -1
     if big and c.nregs:
         i = _registered(c, buf, n)
@@ -326,9 +322,11 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     if r == CXV_OK:
         c.outage_ns = 0  # the attachment works again: a later failure is a new outage
         return 0
-    if c.window_ns == 0 or (write and not _repeatable(c, off, n)):
+    if c.window_ns == 0 or (write and not _repeatable(c, off0, n0)):
         _hang_up(c)
         return _fail(c, r, st)
+    if write:
+        c.repeated += 1
     _interrupt(c, r, st)
     return RETRY
 
@@ -339,6 +337,7 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     (RdmaBackend.register), every request of the transfer in flight; else through a
     registered staging buffer, one buffer's worth at a time. Waits out an outage."""
     cdef int rc
+    cdef uint64_t first = 0  # when this access first met the outage: its own window
     if c.gen != _fork_gen:
         # Before the lock: a parent thread inside an access at fork() left the child's
         # copy of it locked for good. The child's copy of the context is its own.
@@ -351,14 +350,28 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             rc = CXLRT_E_CLOSED
         elif c.broken:
             rc = CXLRT_E_IO
-        elif c.reconnecting:
-            pthread_mutex_unlock(&c.lock)
-            _await_released(c)
-            pthread_mutex_lock(&c.lock)
-            continue
+        elif c.reconnecting or first != 0:
+            if first == 0:
+                first = c.outage_ns if c.outage_ns != 0 else cxv_now_ns()
+            if cxv_now_ns() - first > c.window_ns:
+                # An outage as long as the window, or a READ that fails on every new
+                # attachment (a poisoned line): either way, no more waiting.
+                _fail(c, CXV_GAVE_UP if c.reconnecting else CXV_AGAIN, 0)
+                _hang_up(c)
+                rc = CXLRT_E_IO
+                break
+            if c.reconnecting:
+                pthread_mutex_unlock(&c.lock)
+                _await_released(c, first + c.window_ns + 1)
+                pthread_mutex_lock(&c.lock)
+                continue
+            rc = _move(c, write, off, buf, n, big)
+            if rc == RETRY:
+                continue
         else:
             rc = _move(c, write, off, buf, n, big)
             if rc == RETRY:
+                first = c.outage_ns
                 continue
         break
     pthread_mutex_unlock(&c.lock)
@@ -603,6 +616,8 @@ cdef class RdmaBackend(Backend):
     cdef dict pinned       # start address -> the registered object (kept alive)
     cdef object uuid       # the region's, once bound: a reconnect must find the same one
     cdef object claimed    # the node count claimed with, or None
+    cdef object swap_mu    # the Python side of a swap against close(): conn, qp, server
+    cdef str last_try      # why the supervisor's last attempt to attach again failed
     cdef readonly dict server
 
     def __cinit__(self):
@@ -610,6 +625,8 @@ cdef class RdmaBackend(Backend):
         pthread_mutex_init(&self.c.lock, NULL)
         self.c.gone = 1
         self.c.ctl_fd = -1
+        self.swap_mu = threading.Lock()
+        self.last_try = "no attempt finished"
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
         cdef void* p = NULL
@@ -683,18 +700,18 @@ cdef class RdmaBackend(Backend):
         """Attach again (the supervisor's thread) until it works, the window runs out
         or the server refuses this attachment for good; the new control connection,
         or None."""
-        delay, last = 0.02, "no attempt finished"
+        delay = 0.02
         while not self.c.gone and not self.c.broken:
             try:
                 return self._reattach()
             except _Refused as e:
                 self._give_up(CXV_REFUSED, str(e))
                 return None
-            except OSError as e:  # refused, unreachable, timed out, a protocol error
-                last = str(e)
+            except Exception as e:  # noqa: BLE001  refused, unreachable, timed out, junk:
+                self.last_try = f"{type(e).__name__}: {e}"  # the window decides, not the kind
             left = (<double>self.c.outage_ns + self.c.window_ns - cxv_now_ns()) / 1e9
             if left <= 0:
-                self._give_up(CXV_GAVE_UP, last)
+                self._give_up(CXV_GAVE_UP, self.last_try)
                 return None
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.5)
@@ -715,6 +732,12 @@ cdef class RdmaBackend(Backend):
             raise
         swapped = False
         try:
+            if server.get("boot") != self.server.get("boot"):
+                # The same file after a crash of the server's host may have lost pages
+                # the node wrote (the uuid, written first, survives): not a stall.
+                raise _Refused(f"rdma:{self.path}: the server's host has restarted since "
+                               "this attachment was made, so the region may have lost "
+                               "writes; check it (`cxlrt check`) and open it again")
             if server["size"] != self.reg.size:
                 raise _Refused(f"rdma:{self.path}: the server's region is now "
                                f"{server['size']} bytes, not {self.reg.size}")
@@ -743,11 +766,16 @@ cdef class RdmaBackend(Backend):
             return
         with nogil:  # c.small is the accesses' buffer; none runs while we reconnect
             pthread_mutex_lock(&self.c.lock)
-            r = cxv_xfer(&qp.q, False, self.c.small, self.c.small_mr.lkey, raddr, rkey, n,
-                         self.c.chunk, self.c.timeout_ns, &st)
-            if r == CXV_OK:
-                memcpy(dst, self.c.small, n)
+            if self.c.gone:  # close() has freed the buffers
+                r = -1
+            else:
+                r = cxv_xfer(&qp.q, False, self.c.small, self.c.small_mr.lkey, raddr, rkey,
+                             n, self.c.chunk, self.c.timeout_ns, &st)
+                if r == CXV_OK:
+                    memcpy(dst, self.c.small, n)
             pthread_mutex_unlock(&self.c.lock)
+        if r == -1:
+            raise OSError(f"rdma:{self.path}: closed while reconnecting")
         if r != CXV_OK:
             raise OSError(f"rdma:{self.path}: reading the superblock after reconnecting: "
                           f"{_describe(r, st)}")
@@ -762,21 +790,31 @@ cdef class RdmaBackend(Backend):
 
     def _swap(self, QueuePair qp, conn, dict server):
         """Put the new attachment in place and let the waiting accesses go on."""
-        cdef QueuePair old = None
-        with nogil:
-            pthread_mutex_lock(&self.c.lock)
-        try:
-            if self.c.gone or self.c.broken:
+        cdef QueuePair old
+        cdef cxv_qp q = qp.q
+        cdef uint64_t raddr = server["addr"]
+        cdef uint32_t rkey = server["rkey"]
+        cdef int fd = conn.sock.fileno()
+        cdef bint done = False
+        # Never the GIL under c.lock: a thread that holds the GIL may be waiting for
+        # c.lock (a small access from Python). swap_mu orders the Python fields with
+        # close(), which takes it too.
+        with self.swap_mu:
+            with nogil:
+                pthread_mutex_lock(&self.c.lock)
+                if not self.c.gone and not self.c.broken:
+                    self.c.qp = q
+                    self.c.raddr = raddr
+                    self.c.rkey = rkey
+                    self.c.ctl_fd = fd
+                    self.c.outage_ns = 0  # the new queue pair has read the superblock
+                    self.c.reconnects += 1
+                    cxl_atomic_store_release32(&self.c.reconnecting, 0)
+                    done = True
+                pthread_mutex_unlock(&self.c.lock)
+            if not done:
                 return False
             old, self.qp, self.conn, self.server = self.qp, qp, conn, server
-            self.c.qp = qp.q
-            self.c.raddr = server["addr"]
-            self.c.rkey = server["rkey"]
-            self.c.ctl_fd = conn.sock.fileno()
-            self.c.reconnects += 1
-            cxl_atomic_store_release32(&self.c.reconnecting, 0)
-        finally:
-            pthread_mutex_unlock(&self.c.lock)
         old.close()  # its last user was the access that failed; none can reach it now
         return True
 
@@ -801,16 +839,16 @@ cdef class RdmaBackend(Backend):
         """Tell the server this attachment is node `node` of `nodes` (Region calls it when
         it announces the node; observers and tools do not). The server refuses a node
         that another host holds: each node is one host, whose processes share node-local
-        state no other host can see. "Host" is the node-local home (cxlrt.nodelocal.
-        home_id: the kernel's boot and the node-local directory), not the hostname."""
+        state no other host can see. A host is its hostname and boot (liveness.claim_id)."""
         from cxlrt.errors import NodeClaimError
-        from cxlrt.nodelocal import home_id
+        from cxlrt.liveness import claim_id
+        self.claimed = nodes  # first: a reconnect from now on claims it in its handshake
         try:
             self.conn.ask({"op": "claim", "node": self.reg.node, "nodes": nodes,
-                           "host": f"{home_id():016x}"}, self.params["timeout"])
+                           "host": f"{claim_id():016x}"}, self.params["timeout"])
         except _wire.RdmaServerError as e:
+            self.claimed = None
             raise NodeClaimError(str(e)) from None
-        self.claimed = nodes  # a reconnect claims the node again in its handshake
 
     def failure(self):
         """Why the attachment broke for good, or None while it works or reconnects."""
@@ -821,11 +859,14 @@ cdef class RdmaBackend(Backend):
         if self.c.fail_kind == CXV_REFUSED:
             return self.why
         what = self._what(self.c.fail_kind, self.c.fail_status)
+        cause = self._what(self.c.cause_kind, self.c.cause_status)
         if self.c.fail_kind == CXV_GAVE_UP:
             what = (f"the server did not come back within {self.params['reconnect']} s "
-                    f"(the outage began with: "
-                    f"{self._what(self.c.cause_kind, self.c.cause_status)}; "
-                    f"the last attempt: {self.why})")
+                    f"(the outage began with: {cause}; the last attempt to attach again: "
+                    f"{self.last_try})")
+        elif self.c.fail_kind == CXV_AGAIN:
+            what = (f"a READ kept failing across reconnects for {self.params['reconnect']} s "
+                    f"(the last failure: {cause})")
         return what
 
     def outage(self):
@@ -853,7 +894,7 @@ cdef class RdmaBackend(Backend):
         cdef int rc
         with nogil:
             pthread_mutex_lock(&self.c.lock)
-            rc = cxv_qp_stall(&self.c.qp)
+            rc = -1 if self.c.gone else cxv_qp_stall(&self.c.qp)
             pthread_mutex_unlock(&self.c.lock)
         if rc != 0:
             raise OSError(-rc, "rdma: moving the queue pair to the drain state")
@@ -926,7 +967,7 @@ cdef class RdmaBackend(Backend):
         return {"requests": self.c.ops, "bytes": self.c.bytes, "direct_bytes": self.c.direct,
                 "registered": self.c.nregs, "broken": bool(self.c.broken),
                 "reconnecting": bool(self.c.reconnecting and not self.c.broken),
-                "reconnects": self.c.reconnects}
+                "reconnects": self.c.reconnects, "repeated_writes": self.c.repeated}
 
     cpdef close(self):
         # Closed first; then the queue pair's lock waits out an access in flight (each
@@ -942,21 +983,25 @@ cdef class RdmaBackend(Backend):
             if self.conn is not None:
                 self.conn.close(hang_up=False)
             return
-        with nogil:
-            pthread_mutex_lock(&self.c.lock)
-            self.c.gone = 1
-            self.c.ctl_fd = -1
-            _drop_regs(&self.c)
-            pthread_mutex_unlock(&self.c.lock)
-        if self.conn is not None:
-            self.conn.close()
-        self.qp.close()
+        cdef ibv_mr* small_mr
+        cdef ibv_mr* bounce_mr
+        with self.swap_mu:  # a reconnect's swap is all done, or not begun and never will
+            with nogil:
+                pthread_mutex_lock(&self.c.lock)
+                self.c.gone = 1
+                self.c.ctl_fd = -1
+                _drop_regs(&self.c)
+                small_mr, bounce_mr = self.c.small_mr, self.c.bounce_mr
+                self.c.small_mr = self.c.bounce_mr = NULL
+                pthread_mutex_unlock(&self.c.lock)
+            if self.conn is not None:
+                self.conn.close()
+            self.qp.close()
         self.pinned = {}
-        if self.c.small_mr != NULL:
-            ibv_dereg_mr(self.c.small_mr)
-        if self.c.bounce_mr != NULL:
-            ibv_dereg_mr(self.c.bounce_mr)
-        self.c.small_mr = self.c.bounce_mr = NULL
+        if small_mr != NULL:
+            ibv_dereg_mr(small_mr)
+        if bounce_mr != NULL:
+            ibv_dereg_mr(bounce_mr)
 
     def __dealloc__(self):
         cdef bint forked = self.c.gen != _fork_gen

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from cxlrt.backends import _rdmawire as wire
+from cxlrt.liveness import boot_hash
 
 # Each connection is a thread and, once attached, a queue pair: a bound, so that a
 # flood of connections runs into a refusal rather than the process's limits.
@@ -254,7 +255,8 @@ class Server:
         served = self.regions[att.region]
         return {"ok": True, "size": served.size, "addr": served.addr, "rkey": served.mr.rkey,
                 "qpn": att.qp.qpn, "psn": att.qp.psn, "gid": self.device.gid,
-                "mtu": self.device.mtu, "rd_atom": self.device.rd_atom, "epoch": self.epoch}
+                "mtu": self.device.mtu, "rd_atom": self.device.rd_atom, "epoch": self.epoch,
+                "boot": f"{boot_hash():016x}"}
 
     def stop(self, why: str = "stopped") -> None:
         """Stop accepting, tell every client, drop every queue pair, release the regions."""

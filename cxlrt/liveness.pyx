@@ -88,6 +88,17 @@ def boot_hash():
     return int.from_bytes(raw[:8], "little") ^ int.from_bytes(raw[8:], "little")
 
 
+def claim_id():
+    """64 bits naming this host for a node claim (rdma:): the hostname and this boot of
+    the kernel, so cloned VMs that share a hostname are told apart (each boot has its
+    own id). Processes of one boot share /dev/shm unless a container gives them their
+    own; containers that do should have their own hostnames too."""
+    import hashlib
+    import socket
+    raw = socket.gethostname().encode() + b"\0" + boot_id()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
 def pid_namespace():
     """Inode of this process's pid namespace (0 where unknown)."""
     try:

@@ -35,24 +35,6 @@ def local_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def home_id():
-    """64 bits naming this process's node-local home: this boot of the kernel and the
-    node-local directory (its filesystem and inode). Two processes can share a node's
-    local state exactly when they agree, so this, not the hostname, is what a node
-    claim compares (rdma:): two containers of one host with their own /dev/shm differ,
-    and so do cloned VMs with one hostname (each boot has its own id)."""
-    import hashlib
-    import socket
-
-    from cxlrt.liveness import boot_id
-    st = os.stat(local_dir())
-    raw = boot_id()
-    if raw == bytes(16):  # a kernel that names no boot: the hostname has to do
-        raw = socket.gethostname().encode()
-    raw += st.st_dev.to_bytes(8, "little") + st.st_ino.to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
-
-
 def local_path(unsigned long long uuid, int node):
     return os.path.join(local_dir(), f"cxlrt-{uuid:016x}-node{node}.local")
 

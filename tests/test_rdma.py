@@ -205,7 +205,7 @@ ATTACHED = (b'{"ok":true,"size":16777216,"addr":4096,"rkey":7,"qpn":9,"psn":1,'
      wire.ClaimRefused),
 ])
 def test_a_reconnect_claims_its_node_in_the_attach_handshake(claim_reply, exc):
-    from cxlrt.nodelocal import home_id
+    from cxlrt.liveness import claim_id
     srv = ScriptedServer([ATTACHED, claim_reply])
     try:
         args = dict(node=1, qpn=5, psn=6, gid="00" * 16, timeout=5, claim=4)
@@ -219,20 +219,15 @@ def test_a_reconnect_claims_its_node_in_the_attach_handshake(claim_reply, exc):
         attach, claim = srv.seen
         assert attach["op"] == "attach" and claim["op"] == "claim"
         assert claim["node"] == 1 and claim["nodes"] == 4
-        assert claim["host"] == attach["host"] == f"{home_id():016x}"
+        assert claim["host"] == attach["host"] == f"{claim_id():016x}"
     finally:
         srv.close()
 
 
-def test_home_id_names_where_node_local_state_lives(tmp_path, monkeypatch):
-    """Two processes may claim one node only if they share its node-local files: the id
-    follows the node-local directory, not the hostname."""
-    from cxlrt.nodelocal import home_id
-    here = home_id()
-    assert here == home_id()
-    monkeypatch.setenv("CXLRT_LOCAL_DIR", str(tmp_path))
-    other = home_id()
-    assert other != here
-    (tmp_path / "inner").mkdir()
-    monkeypatch.setenv("CXLRT_LOCAL_DIR", str(tmp_path / "inner"))
-    assert home_id() not in (here, other)
+def test_claim_id_is_the_hostname_and_this_boot(monkeypatch):
+    """Cloned VMs share a hostname but not a boot: their claims of one node differ."""
+    from cxlrt import liveness
+    here = liveness.claim_id()
+    assert here == liveness.claim_id()
+    monkeypatch.setattr(liveness, "boot_id", lambda: b"\x01" * 16)
+    assert liveness.claim_id() != here

@@ -157,8 +157,9 @@ def main():
     r.close()
 
     # With reconnecting on, a READ refused for its key is a clean break: the attachment
-    # is made again, with the server's key, and the read goes on.
-    r = cxlrt.open(spec, node=1)
+    # is made again, with the server's key, and the read goes on. An observer: no beat
+    # thread reads with the bad key first (and repairs it by its own reconnect).
+    r = cxlrt.open(spec, node=1, observer=True)
     r.backend._set_rkey(r.backend.server["rkey"] ^ 0x5A5A)
 
     def key_renewed():
@@ -352,14 +353,15 @@ def reconnect_cases(server, spec, spec1):
 
     # The heartbeat's words may be written again (the liveness layer says so through
     # CXL_HINT_REPEAT): a beat whose completion is lost costs a reconnect, not the
-    # attachment. Nothing but the beat thread touches `v` here.
+    # attachment. The beat word is written here, on the stalled queue pair.
+    beat = v.node_area(v.node)
+    value = v.load64(beat)
     v.backend._stall()
 
     def beat_repeated():
-        deadline = time.monotonic() + BOUND_S
-        while v.backend.stats()["reconnects"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert v.backend.stats()["reconnects"] == 2, v.backend.stats()
+        v.store64(beat, value + 1)
+        st = v.backend.stats()
+        assert st["repeated_writes"] == 1 and st["reconnects"] == 2, st
         assert v.backend.failure() is None, v.backend.failure()
         assert v.load64(0) == word
     timed("a beat whose completion was lost written again", beat_repeated)

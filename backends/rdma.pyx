@@ -166,6 +166,7 @@ ctypedef struct rdma_ctx:
     int cause_status
     uint64_t reconnects
     uint64_t repeated       # writes written again after a lost completion (CXL_HINT_REPEAT)
+    uint32_t worked         # an access has succeeded since the last swap
     uint64_t rep_off[REPEAT_MAX]  # CXL_HINT_REPEAT's ranges, under `lock`
     uint64_t rep_len[REPEAT_MAX]
     uint32_t nrep
@@ -321,6 +322,7 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             n -= k
     if r == CXV_OK:
         c.outage_ns = 0  # the attachment works again: a later failure is a new outage
+        c.worked = 1
         return 0
     if c.window_ns == 0 or (write and not _repeatable(c, off0, n0)):
         _hang_up(c)
@@ -337,7 +339,8 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
     (RdmaBackend.register), every request of the transfer in flight; else through a
     registered staging buffer, one buffer's worth at a time. Waits out an outage."""
     cdef int rc
-    cdef uint64_t first = 0  # when this access first met the outage: its own window
+    cdef uint64_t first = 0  # when this access first met an outage: its own window
+    cdef uint64_t seen = 0   # c.reconnects then: a later one means the server came back
     if c.gen != _fork_gen:
         # Before the lock: a parent thread inside an access at fork() left the child's
         # copy of it locked for good. The child's copy of the context is its own.
@@ -350,29 +353,26 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
             rc = CXLRT_E_CLOSED
         elif c.broken:
             rc = CXLRT_E_IO
-        elif c.reconnecting or first != 0:
+        elif c.reconnecting:
             if first == 0:
                 first = c.outage_ns if c.outage_ns != 0 else cxv_now_ns()
+                seen = c.reconnects
             if cxv_now_ns() - first > c.window_ns:
-                # An outage as long as the window, or a READ that fails on every new
-                # attachment (a poisoned line): either way, no more waiting.
-                _fail(c, CXV_GAVE_UP if c.reconnecting else CXV_AGAIN, 0)
+                # The window is only judged while there is no attachment to try: the
+                # outage outlasted it, or (the server came back meanwhile) this READ
+                # failed on every new attachment, as on a poisoned line.
+                _fail(c, CXV_AGAIN if c.reconnects != seen else CXV_GAVE_UP, 0)
                 _hang_up(c)
                 rc = CXLRT_E_IO
-                break
-            if c.reconnecting:
+            else:
                 pthread_mutex_unlock(&c.lock)
                 _await_released(c, first + c.window_ns + 1)
                 pthread_mutex_lock(&c.lock)
                 continue
-            rc = _move(c, write, off, buf, n, big)
-            if rc == RETRY:
-                continue
         else:
             rc = _move(c, write, off, buf, n, big)
             if rc == RETRY:
-                first = c.outage_ns
-                continue
+                continue  # now reconnecting
         break
     pthread_mutex_unlock(&c.lock)
     return rc
@@ -618,6 +618,8 @@ cdef class RdmaBackend(Backend):
     cdef object claimed    # the node count claimed with, or None
     cdef object swap_mu    # the Python side of a swap against close(): conn, qp, server
     cdef str last_try      # why the supervisor's last attempt to attach again failed
+    cdef str refusal       # why the server's answer to a reconnect ends the attachment
+    cdef double backoff    # seconds between new attachments that each move nothing
     cdef readonly dict server
 
     def __cinit__(self):
@@ -627,6 +629,7 @@ cdef class RdmaBackend(Backend):
         self.c.ctl_fd = -1
         self.swap_mu = threading.Lock()
         self.last_try = "no attempt finished"
+        self.backoff = 0.02
 
     def __init__(self, str path, dict params, int node, unsigned long long size):
         cdef void* p = NULL
@@ -679,21 +682,21 @@ cdef class RdmaBackend(Backend):
     cdef bint _lost(self, str why):
         """The control connection ended: True if the supervisor should attach again
         (its old socket is no longer ours to shut down from here on)."""
-        cdef bint again = False, final = False
+        cdef bint again = False
+        # Before the break is published: a waiter may read failure() at once. Only a
+        # break of kind -1 (this one) shows it.
+        self.why = why
         with nogil:  # under the lock: a failure an access reports at once keeps its cause
             pthread_mutex_lock(&self.c.lock)
             if not self.c.gone and not self.c.broken:
                 self.c.ctl_fd = -1
                 if self.c.window_ns == 0:
                     _fail(&self.c, -1, 0)
-                    final = True
                 else:
                     if not self.c.reconnecting:
                         _interrupt(&self.c, -1, 0)
                     again = True
             pthread_mutex_unlock(&self.c.lock)
-        if final or (again and self.c.cause_kind == -1):
-            self.why = why
         return again
 
     def _reconnect(self):
@@ -701,17 +704,25 @@ cdef class RdmaBackend(Backend):
         or the server refuses this attachment for good; the new control connection,
         or None."""
         delay = 0.02
+        if self.c.reconnects and not self.c.worked:
+            # The last new attachment moved nothing before it failed too (a READ that
+            # fails everywhere): attach again, but not at the rate of a tight loop.
+            self.backoff = min(self.backoff * 2, 1.0)
+            time.sleep(self.backoff)
+        else:
+            self.backoff = 0.02
         while not self.c.gone and not self.c.broken:
             try:
                 return self._reattach()
             except _Refused as e:
-                self._give_up(CXV_REFUSED, str(e))
+                self.refusal = str(e)  # before the break: a waiter may read it at once
+                self._give_up(CXV_REFUSED)
                 return None
             except Exception as e:  # noqa: BLE001  refused, unreachable, timed out, junk:
                 self.last_try = f"{type(e).__name__}: {e}"  # the window decides, not the kind
             left = (<double>self.c.outage_ns + self.c.window_ns - cxv_now_ns()) / 1e9
             if left <= 0:
-                self._give_up(CXV_GAVE_UP, self.last_try)
+                self._give_up(CXV_GAVE_UP)
                 return None
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.5)
@@ -732,7 +743,8 @@ cdef class RdmaBackend(Backend):
             raise
         swapped = False
         try:
-            if server.get("boot") != self.server.get("boot"):
+            if None not in (server.get("boot"), self.server.get("boot")) and \
+                    server["boot"] != self.server["boot"]:
                 # The same file after a crash of the server's host may have lost pages
                 # the node wrote (the uuid, written first, survives): not a stall.
                 raise _Refused(f"rdma:{self.path}: the server's host has restarted since "
@@ -808,6 +820,7 @@ cdef class RdmaBackend(Backend):
                     self.c.rkey = rkey
                     self.c.ctl_fd = fd
                     self.c.outage_ns = 0  # the new queue pair has read the superblock
+                    self.c.worked = 0
                     self.c.reconnects += 1
                     cxl_atomic_store_release32(&self.c.reconnecting, 0)
                     done = True
@@ -815,20 +828,17 @@ cdef class RdmaBackend(Backend):
             if not done:
                 return False
             old, self.qp, self.conn, self.server = self.qp, qp, conn, server
+            self.last_try = "no attempt finished"
         old.close()  # its last user was the access that failed; none can reach it now
         return True
 
-    def _give_up(self, int kind, str why):
-        cdef bint done = False
+    def _give_up(self, int kind):
         with nogil:
             pthread_mutex_lock(&self.c.lock)
             if not self.c.gone and not self.c.broken:
                 _fail(&self.c, kind, 0)
                 _hang_up(&self.c)
-                done = True
             pthread_mutex_unlock(&self.c.lock)
-        if done:
-            self.why = why
 
     def bind(self, int nodes, unsigned long long uuid, bint fresh):
         """Nothing per node: every node reaches the server's memory. The uuid is kept:
@@ -857,7 +867,7 @@ cdef class RdmaBackend(Backend):
         if self.c.fail_kind == -1:
             return f"the server closed the control connection ({self.why})"
         if self.c.fail_kind == CXV_REFUSED:
-            return self.why
+            return self.refusal
         what = self._what(self.c.fail_kind, self.c.fail_status)
         cause = self._what(self.c.cause_kind, self.c.cause_status)
         if self.c.fail_kind == CXV_GAVE_UP:

@@ -89,13 +89,17 @@ def boot_hash():
 
 
 def claim_id():
-    """64 bits naming this host for a node claim (rdma:): the hostname and this boot of
-    the kernel, so cloned VMs that share a hostname are told apart (each boot has its
-    own id). Processes of one boot share /dev/shm unless a container gives them their
-    own; containers that do should have their own hostnames too."""
+    """64 bits naming this host for a node claim (rdma:): the processes that can share
+    a node's local state. The hostname, this boot of the kernel (cloned VMs that share
+    a hostname differ) and the IPC namespace (containers with their own /dev/shm have
+    their own, even with the host's network and hostname)."""
     import hashlib
     import socket
-    raw = socket.gethostname().encode() + b"\0" + boot_id()
+    try:
+        ipc = os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        ipc = 0
+    raw = socket.gethostname().encode() + b"\0" + boot_id() + ipc.to_bytes(8, "little")
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 

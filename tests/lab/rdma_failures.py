@@ -353,8 +353,13 @@ def reconnect_cases(server, spec, spec1):
 
     # The heartbeat's words may be written again (the liveness layer says so through
     # CXL_HINT_REPEAT): a beat whose completion is lost costs a reconnect, not the
-    # attachment. The beat word is written here, on the stalled queue pair.
+    # attachment. The beat word is written here, on the stalled queue pair, right after
+    # a beat (the beat thread's next READ is a period away and cannot hit it first).
     beat = v.node_area(v.node)
+    value = v.load64(beat)
+    deadline = time.monotonic() + BOUND_S
+    while v.load64(beat) == value and time.monotonic() < deadline:
+        time.sleep(0.002)
     value = v.load64(beat)
     v.backend._stall()
 

@@ -1,0 +1,35 @@
+"""perf/round_trips.py: the counts behind README's "No line cache, measured"."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "round_trips.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_counts_back_the_readme(tmp_path):
+    out = tmp_path / "rt.json"
+    p = _run("--reps", "5", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    rows = {r["op"].split(" (")[0]: r for r in json.loads(out.read_text())["rows"]}
+    # One READ to observe either way; a publish of a line not cached fills it first.
+    assert (rows["observe"]["now"], rows["observe"]["cache"]) == (1, 1)
+    assert (rows["publish"]["now"], rows["publish"]["cache"]) == (1, 2)
+    # README's claim: no operation gets cheaper with a line cache.
+    for name, r in rows.items():
+        assert r["now"] > 0, name
+        assert r["cache"] >= r["now"], (name, r)
+    assert "| bakery lock acquire + release |" in p.stdout
+
+
+def test_bad_arguments_are_refused():
+    p = _run("--nodes", "1")
+    assert p.returncode == 2 and "--nodes" in p.stderr

@@ -620,6 +620,8 @@ cdef class RdmaBackend(Backend):
     cdef str last_try      # why the supervisor's last attempt to attach again failed
     cdef str refusal       # why the server's answer to a reconnect ends the attachment
     cdef double backoff    # seconds between new attachments that each move nothing
+    cdef bint poison       # test hook: every new attachment gets a key that is not valid
+    cdef object gate       # test hook: (arrived, go) events a swap waits at, or None
     cdef readonly dict server
 
     def __cinit__(self):
@@ -756,6 +758,9 @@ cdef class RdmaBackend(Backend):
             qp.connect(server["qpn"], server["psn"], server["gid"], server.get("mtu", 0),
                        server.get("rd_atom", 0))
             self._same_region(qp, server)
+            if self.gate is not None:
+                self.gate[0].set()
+                self.gate[1].wait()
             swapped = self._swap(qp, conn, server)
         finally:
             if not swapped:
@@ -805,7 +810,7 @@ cdef class RdmaBackend(Backend):
         cdef QueuePair old
         cdef cxv_qp q = qp.q
         cdef uint64_t raddr = server["addr"]
-        cdef uint32_t rkey = server["rkey"]
+        cdef uint32_t rkey = server["rkey"] ^ (0x5A5A if self.poison else 0)
         cdef int fd = conn.sock.fileno()
         cdef bint done = False
         # Never the GIL under c.lock: a thread that holds the GIL may be waiting for
@@ -898,6 +903,20 @@ cdef class RdmaBackend(Backend):
     def _set_rkey(self, unsigned int rkey):
         """Test hook: address the server's memory with another key from now on."""
         self.c.rkey = rkey
+
+    def _poison_swaps(self, bint on):
+        """Test hook: each new attachment addresses the server with a key that is not
+        valid (a READ that fails on every attachment, as on a poisoned line)."""
+        self.poison = on
+
+    def _gate_swaps(self, gate):
+        """Test hook: a reconnect sets gate[0] once the new attachment is checked and
+        waits for gate[1] before it swaps it in (None: no gate)."""
+        self.gate = gate
+
+    def _supervising(self):
+        """Whether the supervisor thread still runs (it ends with the attachment)."""
+        return self.watcher is not None and self.watcher.is_alive()
 
     def _stall(self):
         """Test hook: the queue pair stops completing requests (a hung device)."""

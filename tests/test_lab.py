@@ -169,7 +169,8 @@ def test_rdma_failures_in_a_guest():
     the server stopped: each a clear error within the bound. Reconnects: a stale key
     renewed, a failed write never repeated, an outage inside the lease resumed, one
     past it fenced like a stall, another region under the name refused, the window
-    running out, and a queue pair that stops completing (the deadline)."""
+    running out, a queue pair that stops completing (the deadline), a READ failing on
+    every new attachment, close() racing a swap, and a server host that restarted."""
     _have_rdma_module()
     out = _rdma_run("none", lambda serve: (
         f"sh {SCRIPTS}/rxe-up.sh lo && {sys.executable} tests/lab/rdma_failures.py"))
@@ -184,7 +185,9 @@ def test_rdma_failures_in_a_guest():
                  "cxlrt check after the reconnects", "another region under the name refused",
                  "server not back within the window", "no completion: the deadline",
                  "no completion: a new queue pair",
-                 "a beat whose completion was lost written again", "server stopped"):
+                 "a beat whose completion was lost written again",
+                 "a READ failing on every attachment", "close() racing a swap",
+                 "a server host that restarted refused", "server stopped"):
         assert f"PASS {case}" in out, case
 
 

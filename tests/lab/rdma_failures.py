@@ -28,10 +28,16 @@ FILE = "/tmp/rdma-fail-region"
 FILE1 = "/tmp/rdma-fail-region1"
 
 
-def start_server(name="r0"):
+def start_server(name="r0", boot=None):
+    """`cxlrt serve` of both regions; `boot` stands in for its host's boot id (a server
+    host that restarted, without restarting the guest)."""
     log = open(f"/tmp/rdma-fail-{PORT}.log", "ab")
-    p = subprocess.Popen([PY, "-m", "cxlrt", "serve", f"r0=file:{FILE}", f"r1=file:{FILE1}",
-                          "--listen", f"127.0.0.1:{PORT}"], stdout=log,
+    cmd = [PY, "-m", "cxlrt"]
+    if boot is not None:
+        cmd = [PY, "-c", f"import cxlrt.liveness as l; l.boot_hash = lambda: {boot}; "
+               "import sys; from cxlrt.cli import main; sys.exit(main(sys.argv[1:]))"]
+    p = subprocess.Popen(cmd + ["serve", f"r0=file:{FILE}", f"r1=file:{FILE1}",
+                                "--listen", f"127.0.0.1:{PORT}"], stdout=log,
                          stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -372,7 +378,77 @@ def reconnect_cases(server, spec, spec1):
     timed("a beat whose completion was lost written again", beat_repeated)
     v0.close()
     v.close()
+    server = again_cases(server, spec, spec1)
     kill(server)
+
+
+def again_cases(server, spec, spec1):
+    """A READ failing on every new attachment; close() racing a swap; a server whose
+    host restarted. Returns the server running."""
+    import threading
+
+    # Every new attachment gets a key that is not valid (a test hook): the READ fails on
+    # each, and ends when its own window does, saying so; the attachments back off.
+    u = cxlrt.open(spec + "?reconnect=2", node=3, observer=True)
+    u.backend._poison_swaps(True)
+    u.backend._set_rkey(u.backend.server["rkey"] ^ 0x5A5A)
+    t = time.monotonic()
+    expect(OSError, lambda: u.load64(0))
+    dt = time.monotonic() - t
+    n = u.backend.stats()["reconnects"]
+    assert 1.5 < dt < 2 + BOUND_S, f"gave up after {dt:.1f} s, not the 2 s window"
+    assert "a READ kept failing across reconnects for 2.0 s" in u.backend.failure(), \
+        u.backend.failure()
+    assert 1 <= n <= 12, f"{n} new attachments in 2 s: no backoff"
+    expect(OSError, lambda: u.load64(0))  # broken for good
+    print(f"PASS a READ failing on every attachment ({dt:.2f} s, {n} attachments)",
+          flush=True)
+    u.close()
+
+    # close() while the supervisor holds a checked new attachment, not yet swapped in:
+    # close() returns at once, the waiting access says closed, and the late swap is
+    # dropped (its queue pair and connection go; nothing touches freed buffers).
+    q = cxlrt.open(spec + "?reconnect=60", node=3, observer=True)
+    gate = (threading.Event(), threading.Event())
+    q.backend._gate_swaps(gate)
+    kill(server)
+    got = []
+
+    def waiter():
+        try:
+            got.append(q.load64(0))
+        except Exception as e:  # noqa: BLE001  the kind is asserted below
+            got.append(e)
+    th = threading.Thread(target=waiter)
+    th.start()
+    server = start_server()
+    assert gate[0].wait(BOUND_S), "no reconnect reached the swap"
+
+    def closed_mid_swap():
+        q.close()
+        th.join(BOUND_S)
+        assert not th.is_alive(), "the waiting access did not end with close()"
+        assert len(got) == 1 and isinstance(got[0], RegionError), got
+        gate[1].set()
+        deadline = time.monotonic() + BOUND_S
+        while q.backend.stats()["reconnects"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # a swap after close() must not count: wait it out
+            if not q.backend._supervising():
+                break
+        assert q.backend.stats()["reconnects"] == 0, q.backend.stats()
+        assert not q.backend._supervising(), "the supervisor outlived close()"
+    timed("close() racing a swap", closed_mid_swap)
+
+    # The server back with the same file but on a host that has restarted (its boot id
+    # differs): the file may have lost pages the node wrote, so it is refused for good.
+    b = cxlrt.open(spec1 + "?reconnect=60", node=3, observer=True)
+    kill(server)
+    server = start_server("r1", boot=0x1234)
+    timed("a server host that restarted refused", lambda: expect(OSError, lambda: b.load64(0)))
+    assert "host has restarted" in b.backend.failure(), b.backend.failure()
+    b.close()
+    kill(server)
+    return start_server()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ class RdmaServerError(ConnectionError):
     """The server refused, or broke the protocol."""
 
 
+class ConnectionLost(RdmaServerError):
+    """The control connection ended before the server answered (nothing was refused)."""
+
+
 class ClaimRefused(RdmaServerError):
     """The server refused this host's claim of a node (another host holds it)."""
 
@@ -158,7 +162,12 @@ class Control:
         Replies carry the request's sequence number: a late answer to an earlier ask
         that timed out is dropped, never taken for this one's."""
         seq = next(self.seq)
-        send(self.sock, {"version": VERSION, "name": split(self.path)[2], "seq": seq, **msg})
+        try:
+            send(self.sock, {"version": VERSION, "name": split(self.path)[2], "seq": seq,
+                             **msg})
+        except OSError as e:  # shut down by an access that met an outage, or reset
+            raise ConnectionLost(f"rdma:{self.path}: the connection closed before "
+                                 f"{msg['op']!r} ({e})") from None
         while True:
             try:
                 reply = self.replies.get(timeout=timeout)
@@ -168,8 +177,8 @@ class Control:
             if reply is None or reply.get("seq", seq) == seq:
                 break
         if reply is None:
-            raise RdmaServerError(f"rdma:{self.path}: the connection closed during "
-                                  f"{msg['op']!r}")
+            raise ConnectionLost(f"rdma:{self.path}: the connection closed during "
+                                 f"{msg['op']!r}")
         if not reply.get("ok"):
             raise RdmaServerError(f"rdma:{self.path}: the server refused: "
                                   f"{reply.get('error', 'no reason given')}")

@@ -855,15 +855,31 @@ cdef class RdmaBackend(Backend):
         it announces the node; observers and tools do not). The server refuses a node
         that another host holds: each node is one host, whose processes share node-local
         state no other host can see. A host is its hostname and boot (liveness.claim_id)."""
-        from cxlrt.errors import NodeClaimError
+        from cxlrt.errors import MediumError, NodeClaimError
         from cxlrt.liveness import claim_id
+        msg = {"op": "claim", "node": self.reg.node, "nodes": nodes,
+               "host": f"{claim_id():016x}"}
+        deadline = time.monotonic() + self.params["reconnect"] + self.params["timeout"]
         self.claimed = nodes  # first: a reconnect from now on claims it in its handshake
-        try:
-            self.conn.ask({"op": "claim", "node": self.reg.node, "nodes": nodes,
-                           "host": f"{claim_id():016x}"}, self.params["timeout"])
-        except _wire.RdmaServerError as e:
-            self.claimed = None
-            raise NodeClaimError(str(e)) from None
+        while True:
+            conn = self.conn
+            try:
+                conn.ask(msg, self.params["timeout"])
+                return
+            except _wire.ConnectionLost as e:
+                # An outage, not a refusal: the claim goes through the next attachment
+                # (asked again there: a claim of the same host is idempotent).
+                lost = str(e)
+            except _wire.RdmaServerError as e:
+                self.claimed = None
+                raise NodeClaimError(str(e)) from None
+            while (self.conn is conn and not self.c.broken and not self.c.gone
+                   and time.monotonic() < deadline):
+                time.sleep(0.005)
+            if self.conn is conn:
+                self.claimed = None
+                raise MediumError(f"rdma:{self.path}: claiming node {self.reg.node}: {lost}; "
+                                  f"{self.failure() or 'the server did not come back'}")
 
     def failure(self):
         """Why the attachment broke for good, or None while it works or reconnects."""

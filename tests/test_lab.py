@@ -170,7 +170,8 @@ def test_rdma_failures_in_a_guest():
     renewed, a failed write never repeated, an outage inside the lease resumed, one
     past it fenced like a stall, another region under the name refused, the window
     running out, a queue pair that stops completing (the deadline), a READ failing on
-    every new attachment, close() racing a swap, and a server host that restarted."""
+    every new attachment, close() racing a swap, a claim during an outage, and a server
+    host that restarted."""
     _have_rdma_module()
     out = _rdma_run("none", lambda serve: (
         f"sh {SCRIPTS}/rxe-up.sh lo && {sys.executable} tests/lab/rdma_failures.py"))
@@ -187,6 +188,7 @@ def test_rdma_failures_in_a_guest():
                  "no completion: a new queue pair",
                  "a beat whose completion was lost written again",
                  "a READ failing on every attachment", "close() racing a swap",
+                 "a claim during an outage goes through the next attachment",
                  "a server host that restarted refused", "server stopped"):
         assert f"PASS {case}" in out, case
 

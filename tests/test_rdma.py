@@ -224,6 +224,25 @@ def test_a_reconnect_claims_its_node_in_the_attach_handshake(claim_reply, exc):
         srv.close()
 
 
+@pytest.mark.parametrize("how", ["server hangs up", "our end shut down"])
+def test_a_connection_that_ends_unanswered_is_lost_not_refused(how):
+    """A claim whose connection ends (an outage) is ConnectionLost, which the client
+    rides out through the next attachment; a refusal is not."""
+    srv = ScriptedServer([ATTACHED])  # answers the attach, reads the claim, hangs up
+    try:
+        conn, _ = wire.attach(f"127.0.0.1:{srv.port}/r0", node=1, qpn=5, psn=6,
+                              gid="00" * 16, timeout=5)
+        threading.Thread(target=conn.wait_closed, daemon=True).start()
+        if how == "our end shut down":
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(wire.ConnectionLost, match="'claim'"):
+            conn.ask({"op": "claim", "node": 1, "nodes": 4, "host": "0" * 16}, 5)
+        conn.close()
+    finally:
+        srv.close()
+    assert not issubclass(wire.ClaimRefused, wire.ConnectionLost)
+
+
 def test_claim_id_is_the_hostname_and_this_boot(monkeypatch):
     """Cloned VMs share a hostname but not a boot: their claims of one node differ."""
     from cxlrt import liveness

@@ -439,6 +439,44 @@ def again_cases(server, spec, spec1):
         assert not q.backend._supervising(), "the supervisor outlived close()"
     timed("close() racing a swap", closed_mid_swap)
 
+    # A claim asked while the server is down (an outage between attach and claim, as in
+    # an open): not a refusal, so it waits, goes through the next attachment, and holds
+    # there (another host's claim of the node is refused).
+    k = cxlrt.open(spec + "?reconnect=60", node=3, observer=True)
+    kill(server)
+    claimed = []
+
+    def claimer():
+        try:
+            k.backend.claim(4)
+            claimed.append(True)
+        except Exception as e:  # noqa: BLE001  asserted below
+            claimed.append(e)
+    th = threading.Thread(target=claimer)
+    th.start()
+    time.sleep(0.3)
+    assert th.is_alive() and not claimed, f"the claim ended while the server was down: {claimed}"
+    server = start_server()
+
+    def claim_waited():
+        th.join(BOUND_S)
+        assert claimed == [True], claimed
+        assert k.backend.stats()["reconnects"] == 1, k.backend.stats()
+        from cxlrt.backends import _rdmawire as wire
+        from cxlrt.backends import rdma
+        dev = rdma.Device()
+        qp = rdma.QueuePair(dev)
+        conn, _ = wire.attach(spec.partition(":")[2], node=3, qpn=qp.qpn, psn=qp.psn,
+                              gid=dev.gid, timeout=5, host="00000000deadbeef")
+        threading.Thread(target=conn.wait_closed, daemon=True).start()
+        expect(wire.RdmaServerError, lambda: conn.ask(
+            {"op": "claim", "node": 3, "nodes": 4, "host": "00000000deadbeef"}, 5),
+            "held by host")
+        conn.close()
+        qp.close()
+    timed("a claim during an outage goes through the next attachment", claim_waited)
+    k.close()
+
     # The server back with the same file but on a host that has restarted (its boot id
     # differs): the file may have lost pages the node wrote, so it is refused for good.
     b = cxlrt.open(spec1 + "?reconnect=60", node=3, observer=True)

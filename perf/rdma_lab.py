@@ -8,7 +8,8 @@ In one TCG guest with SoftRoCE on lo: ``cxlrt serve`` serves a tmpfs region, and
 client moves 16 MiB per call through ``Region.dma_read`` / ``dma_write`` in requests
 of 64 KiB and 1 MiB (rdma:'s ``chunk``), against ``ib_read_bw`` / ``ib_write_bw`` with
 the same message sizes. Small operations (observe = flush + 8-byte load, publish =
-8-byte store + flush + fence, an uncontended lock acquire + release) are set against
+8-byte store + flush + fence, an uncontended lock acquire + release, a lock handoff
+between two client processes contending) are set against
 ``ib_read_lat`` of 8 bytes. Every figure is the median of ``--rounds`` runs, each
 side's rounds interleaved, so the guest's noise lands on both.
 """
@@ -101,6 +102,38 @@ def cxlrt_small(spec: str, iters: int = 400) -> dict[str, float]:
     return out
 
 
+def _handoff_child(spec: str, node: int, n: int, barrier, q) -> None:
+    import cxlrt
+    from cxlrt import microbench as mb
+    with cxlrt.open(spec, node=node) as r:
+        lock = r.lock("rdma-handoff")
+        barrier.wait()
+        t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+        mb.lock_bench(lock, n)
+        q.put((t0, time.monotonic()))
+
+
+def cxlrt_handoff(spec: str, n: int = 40) -> float:
+    """Microseconds per lock handoff: two processes (nodes 1 and 2, each its own
+    attachment) run n acquire+release pairs each on one lock, started together; the
+    time from the first start to the last finish over 2n acquisitions. The bakery
+    serves tickets in order, so under contention each acquisition follows the
+    other node's release."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")  # no attachment of ours in the children
+    barrier, q = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_handoff_child, args=(spec, node, n, barrier, q))
+             for node in (1, 2)]
+    for p in procs:
+        p.start()
+    spans = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a handoff process exited with {p.exitcode}")
+    return (max(e for _, e in spans) - min(s for s, _ in spans)) / (2 * n) * 1e6
+
+
 def in_guest(args) -> dict:
     py = sys.executable
     spec = subprocess.run(["sh", os.path.join(ROOT, "emulation/lab/rdma-serve.sh"), py,
@@ -124,6 +157,7 @@ def in_guest(args) -> dict:
         port += 1
         lats.append(perftest_lat(port))
         small.append(cxlrt_small(spec))
+        small[-1]["lock handoff, 2 nodes contending"] = cxlrt_handoff(spec)
     res["lat"]["ib_read_lat 8 B (us)"] = statistics.median(lats)
     for k in small[0]:
         res["lat"][f"cxlrt {k} (us)"] = statistics.median(s[k] for s in small)

@@ -619,6 +619,7 @@ cdef class RdmaBackend(Backend):
     cdef object swap_mu    # the Python side of a swap against close(): conn, qp, server
     cdef str last_try      # why the supervisor's last attempt to attach again failed
     cdef str refusal       # why the server's answer to a reconnect ends the attachment
+    cdef bint claim_refused  # that answer was a refusal of the node's claim
     cdef double backoff    # seconds between new attachments that each move nothing
     cdef bint poison       # test hook: every new attachment gets a key that is not valid
     cdef object gate       # test hook: (arrived, go) events a swap waits at, or None
@@ -739,6 +740,7 @@ cdef class RdmaBackend(Backend):
                 timeout=self.params["timeout"], claim=self.claimed)
         except _wire.ClaimRefused as e:
             qp.close()
+            self.claim_refused = True
             raise _Refused(str(e)) from None
         except BaseException:
             qp.close()
@@ -855,31 +857,39 @@ cdef class RdmaBackend(Backend):
         it announces the node; observers and tools do not). The server refuses a node
         that another host holds: each node is one host, whose processes share node-local
         state no other host can see. A host is its hostname and boot (liveness.claim_id)."""
-        from cxlrt.errors import MediumError, NodeClaimError
+        from cxlrt.errors import MediumError, NodeClaimError, RegionClosedError
         from cxlrt.liveness import claim_id
+        if self.c.gen != _fork_gen:  # no supervisor here: an outage would never end
+            raise MediumError(f"rdma:{self.path}: {_KINDS[CXV_FORKED]}")
         msg = {"op": "claim", "node": self.reg.node, "nodes": nodes,
                "host": f"{claim_id():016x}"}
-        deadline = time.monotonic() + self.params["reconnect"] + self.params["timeout"]
         self.claimed = nodes  # first: a reconnect from now on claims it in its handshake
         while True:
             conn = self.conn
             try:
                 conn.ask(msg, self.params["timeout"])
                 return
-            except _wire.ConnectionLost as e:
-                # An outage, not a refusal: the claim goes through the next attachment
-                # (asked again there: a claim of the same host is idempotent).
-                lost = str(e)
+            except _wire.ConnectionLost:
+                pass  # an outage, not a refusal: ask again on the next attachment
             except _wire.RdmaServerError as e:
                 self.claimed = None
                 raise NodeClaimError(str(e)) from None
+            # The supervisor ends the outage (a new connection) or the attachment, within
+            # its window, which starts again at every swap; the deadline here is a guard.
+            deadline = time.monotonic() + self.params["reconnect"] + 2 * self.params["timeout"]
             while (self.conn is conn and not self.c.broken and not self.c.gone
                    and time.monotonic() < deadline):
                 time.sleep(0.005)
-            if self.conn is conn:
-                self.claimed = None
-                raise MediumError(f"rdma:{self.path}: claiming node {self.reg.node}: {lost}; "
-                                  f"{self.failure() or 'the server did not come back'}")
+            if self.conn is not conn:
+                continue  # a claim of the same host is idempotent: the handshake's or ours
+            self.claimed = None
+            if self.c.gone:
+                raise RegionClosedError(f"rdma:{self.path}: closed while claiming node "
+                                        f"{self.reg.node}")
+            if self.c.broken and self.c.fail_kind == CXV_REFUSED and self.claim_refused:
+                raise NodeClaimError(self.refusal)  # refused in the reconnect's handshake
+            raise MediumError(f"claiming node {self.reg.node} of rdma:{self.path}: "
+                              f"{self.failure() or 'the server did not come back'}")
 
     def failure(self):
         """Why the attachment broke for good, or None while it works or reconnects."""

@@ -224,10 +224,11 @@ def test_a_reconnect_claims_its_node_in_the_attach_handshake(claim_reply, exc):
         srv.close()
 
 
-@pytest.mark.parametrize("how", ["server hangs up", "our end shut down"])
-def test_a_connection_that_ends_unanswered_is_lost_not_refused(how):
+@pytest.mark.parametrize("how,match", [("server hangs up", "closed during 'claim'"),
+                                       ("our end shut down", "closed before 'claim'")])
+def test_a_connection_that_ends_unanswered_is_lost_not_refused(how, match):
     """A claim whose connection ends (an outage) is ConnectionLost, which the client
-    rides out through the next attachment; a refusal is not."""
+    rides out through the next attachment; a refusal is not (next test)."""
     srv = ScriptedServer([ATTACHED])  # answers the attach, reads the claim, hangs up
     try:
         conn, _ = wire.attach(f"127.0.0.1:{srv.port}/r0", node=1, qpn=5, psn=6,
@@ -235,12 +236,25 @@ def test_a_connection_that_ends_unanswered_is_lost_not_refused(how):
         threading.Thread(target=conn.wait_closed, daemon=True).start()
         if how == "our end shut down":
             conn.sock.shutdown(socket.SHUT_RDWR)
-        with pytest.raises(wire.ConnectionLost, match="'claim'"):
+        with pytest.raises(wire.ConnectionLost, match=match):
             conn.ask({"op": "claim", "node": 1, "nodes": 4, "host": "0" * 16}, 5)
         conn.close()
     finally:
         srv.close()
-    assert not issubclass(wire.ClaimRefused, wire.ConnectionLost)
+
+
+def test_a_refused_claim_is_not_a_lost_connection():
+    srv = ScriptedServer([ATTACHED, b'{"ok":false,"error":"node 1 of r0 is held by host x"}\n'])
+    try:
+        conn, _ = wire.attach(f"127.0.0.1:{srv.port}/r0", node=1, qpn=5, psn=6,
+                              gid="00" * 16, timeout=5)
+        threading.Thread(target=conn.wait_closed, daemon=True).start()
+        with pytest.raises(wire.RdmaServerError, match="held by host") as e:
+            conn.ask({"op": "claim", "node": 1, "nodes": 4, "host": "0" * 16}, 5)
+        assert not isinstance(e.value, wire.ConnectionLost)
+        conn.close()
+    finally:
+        srv.close()
 
 
 def test_claim_id_is_the_hostname_and_this_boot(monkeypatch):

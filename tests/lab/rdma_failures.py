@@ -442,7 +442,7 @@ def again_cases(server, spec, spec1):
             got.append(q.load64(0))
         except Exception as e:  # noqa: BLE001  the kind is asserted below
             got.append(e)
-    th = threading.Thread(target=waiter)
+    th = threading.Thread(target=waiter, daemon=True)
     th.start()
     server = start_server()
     assert gate[0].wait(BOUND_S), "no reconnect reached the swap"
@@ -464,10 +464,19 @@ def again_cases(server, spec, spec1):
     timed("close() racing a swap", closed_mid_swap)
 
     # A claim asked while the server is down (an outage between attach and claim, as in
-    # an open): not a refusal, so it waits, goes through the next attachment, and holds
-    # there (another host's claim of the node is refused).
+    # an open) is not a refusal: it waits and is asked again on the next attachment. The
+    # supervisor's new attachment is held at a gate until the claim has met the dead
+    # connection, so its handshake carries no claim: only the claim's own second ask can
+    # make the node held (another host's claim of it is then refused).
     k = cxlrt.open(spec + "?reconnect=60", node=3, observer=True)
+    gate = (threading.Event(), threading.Event())
+    k.backend._gate_swaps(gate)
     kill(server)
+    deadline = time.monotonic() + BOUND_S
+    while k.backend.outage() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server = start_server()
+    assert gate[0].wait(BOUND_S), "no reconnect reached the swap"
     claimed = []
 
     def claimer():
@@ -476,11 +485,11 @@ def again_cases(server, spec, spec1):
             claimed.append(True)
         except Exception as e:  # noqa: BLE001  asserted below
             claimed.append(e)
-    th = threading.Thread(target=claimer)
+    th = threading.Thread(target=claimer, daemon=True)
     th.start()
     time.sleep(0.3)
-    assert th.is_alive() and not claimed, f"the claim ended while the server was down: {claimed}"
-    server = start_server()
+    assert th.is_alive() and not claimed, f"the claim ended during the outage: {claimed}"
+    gate[1].set()
 
     def claim_waited():
         th.join(BOUND_S)

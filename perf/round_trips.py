@@ -33,6 +33,7 @@ import tempfile
 import numpy as np
 
 import cxlrt
+from cxlrt import nodelocal
 
 BLOCK = 4096
 
@@ -114,15 +115,16 @@ def main(argv=None) -> int:
     os.close(fd)
     os.unlink(path)
     rows = []
+    r = None
     try:
         r = cxlrt.open(f"emu:{path}", node=0, create=True, size="64M", nodes=args.nodes,
                        lease=60)
-        try:
-            for name, fn in _operations(r):
-                rows.append({"op": name, **_counts(r.backend, fn, args.reps)})
-        finally:
-            r.close()
+        for name, fn in _operations(r):
+            rows.append({"op": name, **_counts(r.backend, fn, args.reps)})
     finally:
+        if r is not None:
+            r.close()
+            nodelocal.remove_files(r.uuid, r.nodes)  # the lock service's, in /dev/shm
         for p in (path, path + ".emu"):
             if os.path.exists(p):
                 os.unlink(p)

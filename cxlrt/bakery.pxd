@@ -6,20 +6,23 @@
 # as one checked window (backend.pxd), and the algorithm is compiled for two kinds of
 # words (`words`): on a coherent direct mapping each word is one plain access and
 # each persist one store -> load fence, with no per-word check or branch; elsewhere
-# every access is the contract's op. All of it is inline here, compiled into the
+# every access is the contract's op, and the scans read every node's line in one
+# observe (one request over rdma:, where a word at a time is one each: see
+# `_snapshot`). All of it is inline here, compiled into the
 # lock service: a call into another module costs an uncontended acquire+release
 # about 9% (perf/README.md, "bakery inline").
 from libc.stdint cimport uint32_t, uint64_t
 
-from cxlrt.backend cimport (cxl_load64, cxl_window, cxl_window_observe64,
-                            cxl_window_open, cxl_window_persist, cxl_window_publish,
-                            cxl_window_store64)
+from cxlrt.backend cimport (cxl_load64, cxl_observe, cxl_store, cxl_window,
+                            cxl_window_observe64, cxl_window_open, cxl_window_persist,
+                            cxl_window_publish, cxl_window_store64)
 from cxlrt.crash cimport cxl_crash_hit
 from cxlrt.includes.intrin cimport (cxl_atomic_load_acquire32, cxl_backoff, cxl_fence_release,
                                     cxl_fence_sc, cxl_load64_volatile, cxl_now_ns,
                                     cxl_store64_volatile, unlikely)
-from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_ln_acq, cxl_ln_choosing, cxl_ln_number,
-                           cxl_lock_line_off, cxl_lock_record_bytes)
+from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_MAX_NODES, cxl_ln_acq, cxl_ln_choosing,
+                           cxl_ln_number, cxl_lock_line_off, cxl_lock_node_line,
+                           cxl_lock_record_bytes)
 from cxlrt.lockctx cimport (CXL_DEAD_CHECK_NS, cxl_lock_line, cxl_lock_record, cxl_lockctx,
                             cxl_node_dead)
 from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_TIMEOUT
@@ -77,6 +80,19 @@ cdef inline int _publish(const cxl_window* w, words k, uint64_t off) noexcept no
         return cxl_window_publish(w, off, CXL_LINE_SIZE)
 
 
+cdef inline int _snapshot(cxl_lockctx* L, const cxl_window* w, uint64_t rec,
+                          cxl_lock_node_line* lines) noexcept nogil:
+    """Observe every node's line of the record at `rec` at once (contract words only).
+
+    The bakery's reads of different nodes may happen in any order (Lamport's proof
+    holds for any order of the scan), so one observe of the whole run of lines serves
+    a scan; the order that matters, a node's `choosing` seen 0 before its ticket is
+    read, is kept by taking a second snapshot for the tickets. Over rdma: this is
+    one READ where a word at a time was one per node (perf/round_trips.py)."""
+    return cxl_observe(w.r, cxl_lock_line_off(rec, 0), lines,
+                       L.nodes * sizeof(cxl_lock_node_line))
+
+
 cdef inline int _open(cxl_lockctx* L, uint32_t id, cxl_window* w) noexcept nogil:
     """Lock `id`'s whole record as one checked window."""
     return cxl_window_open(w, L.r, cxl_lock_record(L, id), cxl_lock_record_bytes(L.nodes))
@@ -85,9 +101,18 @@ cdef inline int _open(cxl_lockctx* L, uint32_t id, cxl_window* w) noexcept nogil
 cdef inline int _withdraw(cxl_lockctx* L, uint32_t id, const cxl_window* w, words k) noexcept nogil:
     """Not choosing, ticket 0, published (a release: store order suffices)."""
     cdef uint64_t me = cxl_lock_line(L, id, L.node)
-    cdef int rc = _store(w, k, cxl_ln_choosing(me), 0)
-    if rc == 0:
-        rc = _store(w, k, cxl_ln_number(me), 0)
+    cdef uint64_t pair[2]
+    cdef int rc
+    if words is plain_words:
+        rc = _store(w, k, cxl_ln_choosing(me), 0)
+        if rc == 0:
+            rc = _store(w, k, cxl_ln_number(me), 0)
+    else:
+        # Both words in one store (one request over rdma:). Their order does not
+        # matter here: a reader that sees choosing still 1 waits, one that sees the
+        # old ticket waits until it is 0, and either is a state the line has had.
+        pair[0] = pair[1] = 0
+        rc = cxl_store(w.r, cxl_ln_choosing(me), pair, sizeof(pair))
     if rc == 0:
         rc = _publish(w, k, me)
     return rc
@@ -128,16 +153,23 @@ cdef inline int _acquire(cxl_lockctx* L, uint32_t id, const cxl_window* w, words
     cdef uint64_t rec = cxl_lock_record(L, id), me = cxl_lock_line_off(rec, L.node)
     cdef uint64_t v = 0, mx = 0, ticket
     cdef uint32_t j, node = L.node
+    cdef cxl_lock_node_line lines[CXL_MAX_NODES]  # contract words: the last snapshot
     cdef int rc = _store(w, k, cxl_ln_choosing(me), 1)
     if rc == 0:  # choosing = 1 is visible before we read anyone's ticket (store -> load)
         rc = _persist(w, k, me)
-    for j in range(L.nodes):
-        if rc != 0:
-            break
-        if j != node:
-            rc = _observe(w, k, cxl_ln_number(cxl_lock_line_off(rec, j)), &v)
-            if v > mx:
-                mx = v
+    if words is plain_words:
+        for j in range(L.nodes):
+            if rc != 0:
+                break
+            if j != node:
+                rc = _observe(w, k, cxl_ln_number(cxl_lock_line_off(rec, j)), &v)
+                if v > mx:
+                    mx = v
+    elif rc == 0:
+        rc = _snapshot(L, w, rec, lines)
+        for j in range(L.nodes):
+            if rc == 0 and j != node and lines[j].number > mx:
+                mx = lines[j].number
     ticket = mx + 1
     if rc == 0:
         rc = _store(w, k, cxl_ln_number(me), ticket)
@@ -150,15 +182,19 @@ cdef inline int _acquire(cxl_lockctx* L, uint32_t id, const cxl_window* w, words
     if rc == 0:
         if unlikely(L.armed[0]):
             cxl_crash_hit(b"lock.acquire.ticket")
-        rc = _bakery_wait(L, rec, w, k, ticket, deadline)
+        rc = _bakery_wait(L, rec, w, k, ticket, deadline, lines)
     if rc == 0 and unlikely(w.r.closed):  # what a plain window read may be retired zeros
         rc = CXLRT_E_CLOSED
     if rc != 0:
         _withdraw(L, id, w, k)
         return rc
-    # Our own line, our own statistics: published with the release.
-    if _load(w, k, cxl_ln_acq(me), &v) == 0:
-        _store(w, k, cxl_ln_acq(me), v + 1)
+    # Our own line, our own statistics: published with the release. Only we write
+    # it, so the wait's snapshot holds its current value (no request of its own).
+    if words is plain_words:
+        if _load(w, k, cxl_ln_acq(me), &v) == 0:
+            _store(w, k, cxl_ln_acq(me), v + 1)
+    else:
+        _store(w, k, cxl_ln_acq(me), lines[node].acquisitions + 1)
     return 0
 
 
@@ -188,25 +224,41 @@ cdef inline bint _ahead(cxl_lockctx* L, uint32_t j, uint64_t v, uint64_t ticket)
 
 
 cdef inline int _bakery_wait(cxl_lockctx* L, uint64_t rec, const cxl_window* w, words k,
-                             uint64_t ticket, uint64_t deadline) noexcept nogil:
+                             uint64_t ticket, uint64_t deadline,
+                             cxl_lock_node_line* lines) noexcept nogil:
     """Wait until no node is choosing or holds a smaller (ticket, node); a dead node's
     line no longer counts. 0, or an error (the caller withdraws our ticket).
 
     Fast path: one look at each other node's line (choosing, then ticket); only a node
-    that is choosing or ahead of us is waited on, in _wait_on.
+    that is choosing or ahead of us is waited on, in _wait_on. With contract words the
+    look is two snapshots of every line (`lines` keeps the second): the first for
+    `choosing`, the second, taken after it, for the tickets of the nodes not choosing.
     """
-    cdef uint64_t ln, v = 0
+    cdef uint64_t ln, v = 0, settled = 0
     cdef uint32_t j, node = L.node
-    cdef int rc
+    cdef int rc = 0
+    if words is contract_words:
+        rc = _snapshot(L, w, rec, lines)
+        for j in range(L.nodes):
+            if rc == 0 and j != node and lines[j].choosing == 0:
+                settled |= <uint64_t>1 << j
+        if rc == 0 and settled:
+            rc = _snapshot(L, w, rec, lines)
+        if rc != 0:
+            return rc
     for j in range(L.nodes):
         if j == node:
             continue
         ln = cxl_lock_line_off(rec, j)
-        rc = _observe(w, k, cxl_ln_choosing(ln), &v)
-        if rc == 0 and v == 0:
-            rc = _observe(w, k, cxl_ln_number(ln), &v)
-            if rc == 0 and not _ahead(L, j, v, ticket):
+        if words is contract_words:
+            if (settled >> j) & 1 and not _ahead(L, j, lines[j].number, ticket):
                 continue
+        else:
+            rc = _observe(w, k, cxl_ln_choosing(ln), &v)
+            if rc == 0 and v == 0:
+                rc = _observe(w, k, cxl_ln_number(ln), &v)
+                if rc == 0 and not _ahead(L, j, v, ticket):
+                    continue
         if rc == 0:
             rc = _wait_on(L, w, k, j, ln, ticket, deadline)
         if rc != 0:

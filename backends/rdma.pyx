@@ -86,6 +86,9 @@ cdef extern from "rdma_verbs.h" nogil:
     int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
                  uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
                  int* wc_status)
+    int cxv_xfer_v(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
+                   uint32_t rkey, const uint64_t* offs, uint64_t len, uint64_t count,
+                   uint64_t timeout_ns, int* wc_status)
     uint64_t cxv_now_ns()
     enum:
         CXV_OK, CXV_POST, CXV_WC, CXV_TIMEOUT, CXV_POLL
@@ -287,16 +290,28 @@ cdef bint _repeatable(rdma_ctx* c, uint64_t off, uint64_t n) noexcept nogil:
 
 
 cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
-               bint big) noexcept nogil:
+               bint big, const uint64_t* words) noexcept nogil:
     """One attempt at the transfer (lock held): 0, CXLRT_E_IO (broken for good) or
-    RETRY (a READ cut by a clean break: repeat it once the attachment is back)."""
+    RETRY (a READ cut by a clean break: repeat it once the attachment is back).
+    With `words`, n 8-byte words at those offsets (a gather or scatter), in flight
+    together through the small staging buffer."""
     cdef char* stage = c.bounce if big else c.small
     cdef uint32_t lkey
     cdef uint64_t cap = BOUNCE if big else SMALL, k, off0 = off, n0 = n
     cdef int r = CXV_OK, st = 0, i = -1
     if big and c.nregs:
         i = _registered(c, buf, n)
-    if i >= 0:
+    if words != NULL:
+        if write:
+            memcpy(c.small, buf, n * 8)
+        r = cxv_xfer_v(&c.qp, write, c.small, c.small_mr.lkey, c.raddr, c.rkey, words, 8, n,
+                       c.timeout_ns, &st)
+        if r == CXV_OK:
+            if not write:
+                memcpy(buf, c.small, n * 8)
+            c.ops += 1
+            c.bytes += n * 8
+    elif i >= 0:
         r = cxv_xfer(&c.qp, write, buf, c.regs[i].mr.lkey, c.raddr + off, c.rkey, n,
                      c.chunk, c.timeout_ns, &st)
         if r == CXV_OK:
@@ -324,7 +339,7 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
         c.outage_ns = 0  # the attachment works again: a later failure is a new outage
         c.worked = 1
         return 0
-    if c.window_ns == 0 or (write and not _repeatable(c, off0, n0)):
+    if c.window_ns == 0 or (write and (words != NULL or not _repeatable(c, off0, n0))):
         _hang_up(c)
         return _fail(c, r, st)
     if write:
@@ -334,7 +349,7 @@ cdef int _move(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
 
 
 cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
-               bint big) noexcept nogil:
+               bint big, const uint64_t* words) noexcept nogil:
     """Move n bytes: straight from or into `buf` when it lies in a registered buffer
     (RdmaBackend.register), every request of the transfer in flight; else through a
     registered staging buffer, one buffer's worth at a time. Waits out an outage."""
@@ -370,7 +385,7 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
                 pthread_mutex_lock(&c.lock)
                 continue
         else:
-            rc = _move(c, write, off, buf, n, big)
+            rc = _move(c, write, off, buf, n, big, words)
             if rc == RETRY:
                 continue  # now reconnecting
         break
@@ -379,19 +394,42 @@ cdef int _xfer(rdma_ctx* c, bint write, uint64_t off, char* buf, uint64_t n,
 
 
 cdef int rdma_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, False, off, <char*>dst, n, n > SMALL)
+    return _xfer(<rdma_ctx*>ctx, False, off, <char*>dst, n, n > SMALL, NULL)
 
 
 cdef int rdma_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, True, off, <char*>src, n, n > SMALL)
+    return _xfer(<rdma_ctx*>ctx, True, off, <char*>src, n, n > SMALL, NULL)
 
 
 cdef int rdma_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, False, off, <char*>out, 8, False)
+    return _xfer(<rdma_ctx*>ctx, False, off, <char*>out, 8, False, NULL)
 
 
 cdef int rdma_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, True, off, <char*>&v, 8, False)
+    return _xfer(<rdma_ctx*>ctx, True, off, <char*>&v, 8, False, NULL)
+
+
+cdef int _words(rdma_ctx* c, bint write, uint32_t n, const uint64_t* offs,
+                uint64_t* vals) noexcept nogil:
+    """A gather or scatter of n words, as few requests as the staging buffer allows."""
+    cdef uint32_t k
+    cdef int rc = 0
+    while n and rc == 0:
+        k = n if n < SMALL // 8 else SMALL // 8
+        rc = _xfer(c, write, 0, <char*>vals, k, False, offs)
+        n -= k
+        offs += k
+        vals += k
+    return rc
+
+
+cdef int rdma_gather64(void* ctx, uint32_t n, const uint64_t* offs, uint64_t* out) noexcept nogil:
+    return _words(<rdma_ctx*>ctx, False, n, offs, out)
+
+
+cdef int rdma_scatter64(void* ctx, uint32_t n, const uint64_t* offs,
+                        const uint64_t* vals) noexcept nogil:
+    return _words(<rdma_ctx*>ctx, True, n, offs, <uint64_t*>vals)
 
 
 cdef int rdma_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
@@ -405,11 +443,11 @@ cdef int rdma_fence(void* ctx) noexcept nogil:
 
 
 cdef int rdma_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, False, off, <char*>dst, n, True)
+    return _xfer(<rdma_ctx*>ctx, False, off, <char*>dst, n, True, NULL)
 
 
 cdef int rdma_dma_write(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
-    return _xfer(<rdma_ctx*>ctx, True, off, <char*>src, n, True)
+    return _xfer(<rdma_ctx*>ctx, True, off, <char*>src, n, True, NULL)
 
 
 cdef int rdma_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
@@ -435,7 +473,8 @@ cdef int rdma_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
 cdef cxl_ops RDMA_OPS = cxl_ops(
     load=rdma_load, store=rdma_store, load64=rdma_load64, store64=rdma_store64,
     flush=rdma_flush, flush_nodrain=rdma_flush, fence=rdma_fence,
-    dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=rdma_hint)
+    dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=rdma_hint,
+    gather64=rdma_gather64, scatter64=rdma_scatter64)
 
 
 PARAMS = {

@@ -274,35 +274,56 @@ static void cxv_abort(cxv_qp* q, int inflight) {
     }
 }
 
-/* Move n bytes between local [laddr, +n) (registered, lkey) and remote [raddr, +n)
- * (rkey): READ when !write. At most `chunk` bytes per request, `depth` in flight, all
- * complete on return 0. A failure is a completion error, or no completion for
- * `timeout_ns` (the clock restarts at each one: a long transfer that moves is never
- * cut off). On failure *wc_status holds the completion status (or an errno for
- * CXV_POST), the QP is in the error state and drained, and must not be used again. */
-static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
-                    uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
-                    int* wc_status) {
+/* Where piece i of a transfer goes: local address, remote address, length. */
+typedef struct {
+    char* laddr;
+    uint64_t raddr;
+    uint64_t n;           /* cxv_xfer: bytes in all; cxv_xfer_v: bytes per piece */
+    uint64_t chunk;       /* cxv_xfer: bytes per piece */
+    const uint64_t* offs; /* cxv_xfer_v: remote offsets from raddr, one per piece */
+} cxv_plan;
+
+static void cxv_piece(const cxv_plan* p, uint64_t i, char** l, uint64_t* r, uint64_t* len) {
+    if (p->offs) {
+        *l = p->laddr + i * p->n;
+        *r = p->raddr + p->offs[i];
+        *len = p->n;
+    } else {
+        uint64_t at = i * p->chunk;
+        *l = p->laddr + at;
+        *r = p->raddr + at;
+        *len = p->n - at < p->chunk ? p->n - at : p->chunk;
+    }
+}
+
+/* Run `pieces` requests of a plan, `depth` in flight, all complete on return 0. A
+ * failure is a completion error, or no completion for `timeout_ns` (the clock restarts
+ * at each one: a long transfer that moves is never cut off). On failure *wc_status
+ * holds the completion status (or an errno for CXV_POST), the QP is in the error state
+ * and drained, and must not be used again. */
+static int cxv_run(cxv_qp* q, int write, const cxv_plan* p, uint64_t pieces, uint32_t lkey,
+                   uint32_t rkey, uint64_t timeout_ns, int* wc_status) {
     uint64_t deadline_ns = cxv_now_ns() + timeout_ns;
     struct ibv_sge sge;
     struct ibv_send_wr wr, *bad;
     struct ibv_wc wc[16];
-    uint64_t sent = 0, done = 0, spin_end = 0;
+    uint64_t sent = 0, done = 0, spin_end = 0, len, raddr;
+    char* laddr;
     int inflight = 0, spins = 0, k, i;
     *wc_status = 0;
-    while (done < n) {
-        while (sent < n && inflight < q->depth) {
-            uint64_t len = n - sent < chunk ? n - sent : chunk;
+    while (done < pieces) {
+        while (sent < pieces && inflight < q->depth) {
+            cxv_piece(p, sent, &laddr, &raddr, &len);
             memset(&wr, 0, sizeof(wr));
-            sge.addr = (uint64_t)(uintptr_t)(laddr + sent);
+            sge.addr = (uint64_t)(uintptr_t)laddr;
             sge.length = (uint32_t)len;
             sge.lkey = lkey;
-            wr.wr_id = len;
+            wr.wr_id = sent;
             wr.sg_list = &sge;
             wr.num_sge = 1;
             wr.opcode = write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
             wr.send_flags = IBV_SEND_SIGNALED;
-            wr.wr.rdma.remote_addr = raddr + sent;
+            wr.wr.rdma.remote_addr = raddr;
             wr.wr.rdma.rkey = rkey;
             k = ibv_post_send(q->qp, &wr, &bad);
             if (k != 0) {
@@ -310,7 +331,7 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
                 cxv_abort(q, inflight);
                 return CXV_POST;
             }
-            sent += len;
+            sent++;
             inflight++;
         }
         k = ibv_poll_cq(q->cq, 16, wc);
@@ -325,7 +346,7 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
                 cxv_abort(q, inflight - (k - i - 1));  /* those after i: already reaped */
                 return CXV_WC;
             }
-            done += wc[i].wr_id;
+            done++;
         }
         if (k > 0) {
             deadline_ns = cxv_now_ns() + timeout_ns;
@@ -349,6 +370,26 @@ static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t r
         }
     }
     return CXV_OK;
+}
+
+/* Move n bytes between local [laddr, +n) (registered, lkey) and remote [raddr, +n)
+ * (rkey): READ when !write, at most `chunk` bytes per request (cxv_run). */
+static int cxv_xfer(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
+                    uint32_t rkey, uint64_t n, uint64_t chunk, uint64_t timeout_ns,
+                    int* wc_status) {
+    cxv_plan p = {laddr, raddr, n, chunk, NULL};
+    return cxv_run(q, write, &p, n ? (n + chunk - 1) / chunk : 0, lkey, rkey, timeout_ns,
+                   wc_status);
+}
+
+/* `count` transfers of `len` bytes each, piece i between local laddr + i * len and
+ * remote raddr + offs[i]: a gather (READ) or scatter (WRITE) of small words, all of
+ * them in flight at once up to the QP's depth (cxv_run). */
+static int cxv_xfer_v(cxv_qp* q, int write, char* laddr, uint32_t lkey, uint64_t raddr,
+                      uint32_t rkey, const uint64_t* offs, uint64_t len, uint64_t count,
+                      uint64_t timeout_ns, int* wc_status) {
+    cxv_plan p = {laddr, raddr, len, 0, offs};
+    return cxv_run(q, write, &p, count, lkey, rkey, timeout_ns, wc_status);
 }
 
 #endif

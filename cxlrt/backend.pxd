@@ -45,6 +45,10 @@ ctypedef int (*cxl_fence_fn)(void* ctx) noexcept nogil
 ctypedef int (*cxl_dma_read_fn)(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
 ctypedef int (*cxl_dma_write_fn)(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil
 ctypedef int (*cxl_hint_fn)(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil
+ctypedef int (*cxl_gather64_fn)(void* ctx, uint32_t n, const uint64_t* offs,
+                                uint64_t* out) noexcept nogil
+ctypedef int (*cxl_scatter64_fn)(void* ctx, uint32_t n, const uint64_t* offs,
+                                 const uint64_t* vals) noexcept nogil
 
 
 ctypedef struct cxl_ops:
@@ -58,6 +62,8 @@ ctypedef struct cxl_ops:
     cxl_dma_read_fn dma_read    # pre: range checked; reads the medium, bypassing views
     cxl_dma_write_fn dma_write  # pre: range checked; writes the medium, bypassing views
     cxl_hint_fn hint            # optional (NULL: none): advice to a device, see CXL_HINT_*
+    cxl_gather64_fn gather64    # optional (NULL: load64 each): n words, one request where it can
+    cxl_scatter64_fn scatter64  # optional (NULL: store64 each): n words, one request where it can
 
 
 # Hints: advice a device may act on; never needed for correctness (a backend without
@@ -146,6 +152,53 @@ cdef inline int cxl_store64(const cxl_region* r, uint64_t off, uint64_t v) noexc
         cxl_store64_volatile(r.base + off, v)
         return 0
     return r.ops.store64(r.ctx, off, v)
+
+
+cdef inline int _cxl_words_ok(const cxl_region* r, uint32_t n, const uint64_t* offs) noexcept nogil:
+    cdef uint32_t i
+    if unlikely(r.closed):
+        return CXLRT_E_CLOSED
+    for i in range(n):
+        if unlikely((offs[i] & 7) or r.size < 8 or offs[i] > r.size - 8):
+            return CXLRT_E_RANGE
+    return 0
+
+
+cdef inline int cxl_gather64(const cxl_region* r, uint32_t n, const uint64_t* offs,
+                             uint64_t* out) noexcept nogil:
+    """cxl_load64 of each offs[i] into out[i]. Where the backend has the slot, all n go
+    as one request (rdma: every READ in flight at once), so an algorithm that knows
+    the words it needs next reads them in one round trip. Nothing is read unless
+    every offset is in range."""
+    cdef uint32_t i
+    cdef int rc = _cxl_words_ok(r, n, offs)
+    if unlikely(rc != 0) or n == 0:
+        return rc
+    if r.ops.gather64 != NULL and not (r.flags & CXL_F_DIRECT):
+        return r.ops.gather64(r.ctx, n, offs, out)
+    for i in range(n):
+        rc = cxl_load64(r, offs[i], &out[i])
+        if rc != 0:
+            return rc
+    return 0
+
+
+cdef inline int cxl_scatter64(const cxl_region* r, uint32_t n, const uint64_t* offs,
+                              const uint64_t* vals) noexcept nogil:
+    """cxl_store64 of vals[i] at each offs[i], as one request where the backend can; in
+    no particular order among themselves (publish them as usual). Nothing is stored
+    unless every offset is in range; after a failure any subset may have landed."""
+    cdef uint32_t i
+    cdef int rc = _cxl_words_ok(r, n, offs)
+    if unlikely(rc != 0) or n == 0:
+        return rc
+    if r.ops.scatter64 != NULL and not (r.flags & CXL_F_DIRECT):
+        return r.ops.scatter64(r.ctx, n, offs, vals)
+    for i in range(n):
+        rc = cxl_store64(r, offs[i], vals[i])
+        if rc != 0:
+            return rc
+    return 0
 
 
 cdef inline int cxl_load(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:
@@ -247,6 +300,20 @@ cdef inline int cxl_observe64(const cxl_region* r, uint64_t off, uint64_t* v) no
     if likely(rc == 0):
         rc = cxl_load64(r, off, v)
     return rc
+
+
+cdef inline int cxl_observe_gather64(const cxl_region* r, uint32_t n, const uint64_t* offs,
+                                     uint64_t* out) noexcept nogil:
+    """cxl_observe64 of each word: every word's line dropped, then one gather (each
+    load still follows its own line's flush)."""
+    cdef uint32_t i
+    cdef int rc = 0
+    if not (r.flags & CXL_F_NOFLUSH):
+        for i in range(n):
+            rc = cxl_flush(r, offs[i], sizeof(uint64_t))
+            if rc != 0:
+                return rc
+    return cxl_gather64(r, n, offs, out)
 
 
 cdef inline int cxl_observe(const cxl_region* r, uint64_t off, void* dst, uint64_t n) noexcept nogil:

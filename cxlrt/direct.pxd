@@ -62,4 +62,4 @@ cdef inline void direct_ops_init(cxl_ops* ops) noexcept nogil:
     ops[0] = cxl_ops(load=direct_load, store=direct_store, load64=direct_load64,
                      store64=direct_store64, flush=direct_noflush, flush_nodrain=direct_noflush,
                      fence=direct_fence, dma_read=direct_load, dma_write=direct_dma_write,
-                     hint=NULL)
+                     hint=NULL, gather64=NULL, scatter64=NULL)

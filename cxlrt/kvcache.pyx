@@ -33,7 +33,8 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
                             cxl_dma_read, cxl_fence, cxl_flush, cxl_flush_nodrain, cxl_load,
-                            cxl_observe, cxl_observe64, cxl_region, cxl_store)
+                            cxl_observe, cxl_observe64, cxl_observe_gather64, cxl_region,
+                            cxl_store)
 from cxlrt.alloc cimport Allocator
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport CXLRT_DEBUG, cxl_pid, cxl_prefetch, unlikely
@@ -43,7 +44,7 @@ from cxlrt.kvindex cimport (KV_PAYLOAD_MAGIC, kv_cnode, kv_cpid, kv_entry_at, kv
                             kv_get_counters, kv_index, kv_kind, kv_line_ok, kv_meta, kv_mix,
                             kv_owner_node, kv_owner_pid, kv_payload_ok, kv_probe, kv_read, kv_state,
                             kv_stats_at, kv_zero)
-from cxlrt.kvpins cimport KV_PIN_MAX, PinTable
+from cxlrt.kvpins cimport KV_PIN_MAX, PIN_BATCH, PinTable
 from cxlrt.kvwrite cimport Writer
 from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
@@ -367,6 +368,29 @@ cdef class KVCache:
             self._raise(rc, "lookup")
         return hit
 
+    cdef int _pins_held(self, const uint64_t* slots, const uint64_t* gens, uint64_t m,
+                          uint64_t* keep) noexcept nogil:
+        """_lookup's second look at the pinned entries' state words, PIN_BATCH of them
+        at a time in one gather; *keep: how many lead the hit unchanged."""
+        cdef uint64_t offs[PIN_BATCH]
+        cdef uint64_t w[PIN_BATCH]
+        cdef uint64_t base = 0, j, k
+        cdef int rc
+        while base < m:
+            k = m - base if m - base < PIN_BATCH else PIN_BATCH
+            for j in range(k):
+                offs[j] = kv_entry_at(&self.K, slots[base + j]) + KV_ENTRY_META
+            rc = cxl_observe_gather64(self.r, <uint32_t>k, offs, w)
+            if rc != 0:
+                return rc
+            for j in range(k):
+                if w[j] != kv_meta(gens[base + j], KV_READY):
+                    keep[0] = base + j
+                    return 0
+            base += k
+        keep[0] = m
+        return 0
+
     cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out) noexcept nogil:
         """Probe the keys, pin the leading ready run in one pass of the pin mutex
         (with the pending counters `st`), then observe each pinned entry's state
@@ -418,13 +442,16 @@ cdef class KVCache:
         # reading the pins): an evictor that missed our pin has changed the word.
         # One word suffices: the offset changes only with the generation.
         keep = m
-        for j in range(m):
-            w = 0
-            rc = cxl_observe64(self.r, kv_entry_at(&self.K, hit.slots[j]) + KV_ENTRY_META, &w)
-            want = kv_meta(hit.gens[j], KV_READY)
-            if rc != 0 or w != want:
-                keep = j
-                break
+        if self.r.flags & CXL_F_DIRECT:
+            for j in range(m):
+                w = 0
+                rc = cxl_observe64(self.r, kv_entry_at(&self.K, hit.slots[j]) + KV_ENTRY_META, &w)
+                want = kv_meta(hit.gens[j], KV_READY)
+                if rc != 0 or w != want:
+                    keep = j
+                    break
+        else:
+            rc = self._pins_held(hit.slots, hit.gens, m, &keep)  # one gather a batch (a request over rdma:)
         if rc != 0:
             keep = 0
         if keep < m and self._pt.enter() == 0:

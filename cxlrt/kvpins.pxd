@@ -21,6 +21,7 @@ from cxlrt.mapping cimport Mapping
 
 
 cdef enum:
+    PIN_BATCH = 64             # pin words per gather and scatter (not a direct mapping)
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
 
 
@@ -85,6 +86,10 @@ cdef class PinTable:
     cdef void leave(self) noexcept nogil
     cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
+    cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
+                       uint64_t stamp, uint64_t* did) noexcept nogil
+    cdef int _add_batch(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
+                        uint64_t stamp, uint64_t* did) noexcept nogil
     cdef void prefetch(self, const uint64_t* slots, uint64_t n) noexcept nogil
     cdef int _rebuild(self) noexcept nogil
     cdef int _release(self, int k) noexcept nogil

@@ -6,7 +6,8 @@
 from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_load64, cxl_store64
+from cxlrt.backend cimport (CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_gather64,
+                            cxl_load64, cxl_scatter64, cxl_store64)
 from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
 from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_local_try_enter, cxl_lock_held
 from cxlrt.includes.intrin cimport CXL_ASSERT
@@ -41,6 +42,17 @@ def _my_start():
         _START[1] = process_start(pid)
         _START[0] = pid
     return _START[1]
+
+
+cdef bint _repeats(const uint64_t* slots, uint64_t n) noexcept nogil:
+    """Whether a slot appears twice among n (n <= PIN_BATCH: the quadratic scan is
+    cheaper than one request)."""
+    cdef uint64_t i, j
+    for i in range(1, n):
+        for j in range(i):
+            if slots[i] == slots[j]:
+                return True
+    return False
 
 
 cdef class PinTable:
@@ -157,13 +169,47 @@ cdef class PinTable:
         # An LRU hint compared with entries' store stamps (fine clock): a coarse clock
         # lags by up to a tick (4 ms), and a block pinned just after a store then
         # looks older than it, so eviction takes the wrong one.
-        cdef uint64_t i = 0, w, at, cnt, now_ms = cxl_wall_ns() // 1000000
+        cdef uint64_t i = 0, m, did = 0, stamp = (cxl_wall_ns() // 1000000) << 16
         cdef uint16_t* mine
         cdef int rc = 0
         CXL_ASSERT(cxl_lock_held(self.L, self.lock_id, False), b"pins changed without the mutex")
         if self._rec < 0 or self._rec_pid != cxl_pid():
             return CXLRT_E_KVNOREC
         mine = self._record(self._rec)
+        if self.r.flags & CXL_F_DIRECT:
+            rc = self._add_each(slots, n, delta, mine, stamp, &i)
+        else:
+            # Not a direct mapping: each word is a call into the backend (a request
+            # over rdma:), so the words go PIN_BATCH at a time as one gather and one
+            # scatter. A batch naming a slot twice goes a word at a time: its second
+            # count must build on its first.
+            while i < n and rc == 0:
+                m = n - i if n - i < PIN_BATCH else PIN_BATCH
+                if _repeats(slots + i, m):
+                    rc = self._add_each(slots + i, m, delta, mine, stamp, &did)
+                else:
+                    rc = self._add_batch(slots + i, m, delta, mine, stamp, &did)
+                i += did
+        self.done = i if rc != 0 else n
+        if rc == CXLRT_E_KVPINS:
+            # A block this node already pins 65535 times: the pins before it hold,
+            # and the caller ends its hit there (done says where).
+            if cxl_fence(self.r) != 0:
+                self.done = 0  # unknown state: the caller fails the lookup
+                return -1
+            return rc
+        if rc != 0 and delta > 0 and i > 0:
+            self.add_locked(slots, i, -1)  # any other failure: all or nothing
+            self.done = 0
+        if rc != 0:
+            return rc
+        return cxl_fence(self.r)
+
+    cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
+                       uint64_t stamp, uint64_t* did) noexcept nogil:
+        """add_locked's pass a word at a time; *did: slots done (all, unless rc != 0)."""
+        cdef uint64_t i = 0, w, at, cnt
+        cdef int rc = 0
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
             if delta < 0:
@@ -182,27 +228,64 @@ cdef class PinTable:
                 cnt += 1
             elif cnt > 0:
                 cnt -= 1
-            rc = cxl_store64(self.r, at, (now_ms << 16) | cnt)
+            rc = cxl_store64(self.r, at, stamp | cnt)
             if rc == 0:
                 rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
             if rc != 0:
                 break
             if delta > 0:
                 mine[slots[i]] += 1
-        self.done = i if rc != 0 else n
-        if rc == CXLRT_E_KVPINS:
-            # A block this node already pins 65535 times: the pins before it hold,
-            # and the caller ends its hit there (done says where).
-            if cxl_fence(self.r) != 0:
-                self.done = 0  # unknown state: the caller fails the lookup
-                return -1
-            return rc
-        if rc != 0 and delta > 0 and i > 0:
-            self.add_locked(slots, i, -1)  # any other failure: all or nothing
-            self.done = 0
+        did[0] = i if rc != 0 else n
+        return rc
+
+    cdef int _add_batch(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
+                        uint64_t stamp, uint64_t* did) noexcept nogil:
+        """add_locked's pass over n <= PIN_BATCH distinct slots: every pin word read in
+        one gather, then written in one scatter, then our record. A crash between the
+        two leaves the region and the record apart, as one between a word's store and
+        its record does a word at a time: the next holder rebuilds from the records."""
+        cdef uint64_t offs[PIN_BATCH]
+        cdef uint64_t w[PIN_BATCH]
+        cdef uint32_t pick[PIN_BATCH]  # which slot each word is
+        cdef uint64_t i, k, m = 0, cnt
+        cdef int rc = 0, wrc
+        for i in range(n):
+            CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
+            if delta < 0 and mine[slots[i]] == 0:
+                continue  # not ours to give back (a Hit of another process)
+            pick[m] = <uint32_t>i
+            offs[m] = self.at(self.node, slots[i])
+            m += 1
+        rc = cxl_gather64(self.r, <uint32_t>m, offs, w)
         if rc != 0:
+            did[0] = 0
             return rc
-        return cxl_fence(self.r)
+        k = 0  # words to write: all m, or those before a saturated one
+        while k < m:
+            cnt = w[k] & KV_PIN_MAX
+            if delta > 0:
+                if cnt == KV_PIN_MAX or mine[slots[pick[k]]] == KV_PIN_MAX:
+                    rc = CXLRT_E_KVPINS
+                    break
+                cnt += 1
+            elif cnt > 0:
+                cnt -= 1
+            w[k] = stamp | cnt
+            k += 1
+        wrc = cxl_scatter64(self.r, <uint32_t>k, offs, w) if k else 0
+        for i in range(k):
+            if wrc == 0:
+                wrc = cxl_flush_nodrain(self.r, offs[i], sizeof(uint64_t))
+        if wrc != 0:
+            did[0] = 0
+            return wrc
+        for i in range(k):
+            if delta > 0:
+                mine[slots[pick[i]]] += 1
+            else:
+                mine[slots[pick[i]]] -= 1
+        did[0] = pick[k] if rc != 0 else n
+        return rc
 
     def has_record(self):
         return self._rec >= 0 and self._rec_pid == cxl_pid()

@@ -832,7 +832,7 @@ cdef int chm_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
 cdef cxl_ops CHM_OPS = cxl_ops(
     load=chm_load, store=chm_store, load64=chm_load64, store64=chm_store64, flush=chm_flush,
     flush_nodrain=chm_flush, fence=chm_fence, dma_read=chm_dma_read, dma_write=chm_dma_write,
-    hint=chm_hint)
+    hint=chm_hint, gather64=NULL, scatter64=NULL)
 
 _STATS = ("hits", "fills", "writebacks", "direct_reads", "direct_writes", "ssd_read_bytes",
           "ssd_write_bytes", "dram_bytes", "busy_ns", "repairs", "buffered", "flushes",

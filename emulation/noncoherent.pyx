@@ -289,6 +289,35 @@ cdef int emu_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
     return emu_store(ctx, off, &v, 8)
 
 
+cdef int emu_gather64(void* ctx, uint32_t n, const uint64_t* offs, uint64_t* out) noexcept nogil:
+    """n 8-byte loads, counted as one load call: the one request rdma: sends for them
+    (perf/round_trips.py counts requests through these counters)."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t calls = c.st.loads
+    cdef uint32_t i
+    cdef int rc = 0
+    for i in range(n):
+        rc = emu_load(ctx, offs[i], &out[i], 8)
+        if rc != 0:
+            break
+    c.st.loads = calls + 1
+    return rc
+
+
+cdef int emu_scatter64(void* ctx, uint32_t n, const uint64_t* offs, const uint64_t* vals) noexcept nogil:
+    """n 8-byte stores, counted as one store call (as emu_gather64)."""
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef uint64_t calls = c.st.stores
+    cdef uint32_t i
+    cdef int rc = 0
+    for i in range(n):
+        rc = emu_store(ctx, offs[i], &vals[i], 8)
+        if rc != 0:
+            break
+    c.st.stores = calls + 1
+    return rc
+
+
 cdef inline uint64_t _last_line(uint64_t off, uint64_t n) noexcept nogil:
     """The last line of the n > 0 bytes at off (the first is cxl_line_of(off))."""
     return cxl_line_of(off + n - 1)
@@ -396,7 +425,7 @@ cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:
 cdef cxl_ops EMU_OPS = cxl_ops(
     load=emu_load, store=emu_store, load64=emu_load64, store64=emu_store64, flush=emu_flush,
     flush_nodrain=emu_flush_nodrain, fence=emu_fence, dma_read=emu_dma_read,
-    dma_write=emu_dma_write, hint=NULL)
+    dma_write=emu_dma_write, hint=NULL, gather64=emu_gather64, scatter64=emu_scatter64)
 
 
 cdef int _unbound_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:

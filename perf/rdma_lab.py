@@ -9,7 +9,7 @@ client moves 16 MiB per call through ``Region.dma_read`` / ``dma_write`` in requ
 of 64 KiB and 1 MiB (rdma:'s ``chunk``), against ``ib_read_bw`` / ``ib_write_bw`` with
 the same message sizes. Small operations (observe = flush + 8-byte load, publish =
 8-byte store + flush + fence, an uncontended lock acquire + release, a lock handoff
-between two client processes contending) are set against
+between two client processes contending, a KV lookup of 32 blocks) are set against
 ``ib_read_lat`` of 8 bytes. Every figure is the median of ``--rounds`` runs, each
 side's rounds interleaved, so the guest's noise lands on both.
 """
@@ -99,7 +99,26 @@ def cxlrt_small(spec: str, iters: int = 400) -> dict[str, float]:
         mb.lock_bench(lock, iters // 4)
         out["lock acquire+release"] = (time.perf_counter() - t) / (iters // 4) * 1e6
         r.free(off)
+        out["KV lookup + release, 32 blocks"] = _lookup_us(r, iters // 40)
     return out
+
+
+def _lookup_us(r, n: int, blocks: int = 32) -> float:
+    """Microseconds per `with cache.lookup(keys)` of a cached 32-block chain: 32 probes,
+    the pins, the second look, the unpins (perf/round_trips.py counts the requests)."""
+    import numpy as np
+
+    import cxlrt
+    cache = cxlrt.KVCache(r, "rdma-bench", block_bytes=4096, capacity_blocks=2 * blocks)
+    keys = cxlrt.block_hashes(list(range(16 * blocks)), 16, salt=b"rdma-bench")
+    cache.store(keys, np.zeros((blocks, 4096), np.uint8))
+    t = time.perf_counter()
+    for _ in range(n):
+        with cache.lookup(keys) as hit:
+            assert len(hit) == blocks
+    us = (time.perf_counter() - t) / n * 1e6
+    cache.close()
+    return us
 
 
 def _handoff_child(spec: str, node: int, n: int, barrier, q) -> None:

@@ -9,7 +9,10 @@ The question (issue 14): would a per-node cache of 64-byte lines on an ``rdma:``
 has no cache: each load or store call is one READ or WRITE. ``emu:`` is exactly such a
 cache over a shared file, and it counts what the same algorithm code does through it:
 
-- ``load``/``store`` calls: the round trips ``rdma:`` makes today (one request each);
+- ``load``/``store`` calls: the round trips ``rdma:`` makes today (one request each; a
+  gather or scatter of words, ``cxl_gather64``/``cxl_scatter64``, is one call and one
+  round trip, its READs or WRITEs all in flight at once, and a scan of a lock record's
+  node lines is one load);
 - line fills (``misses``) plus write-backs: the round trips a write-allocate line
   cache would make, one 64-byte READ or WRITE each;
 - load calls plus write-backs: a cache that never fills on a store and writes back

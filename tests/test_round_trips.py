@@ -26,10 +26,15 @@ def test_counts_back_the_readme(tmp_path):
     assert (rows["publish"]["now"], rows["publish"]["cache"], rows["publish"]["nofill"]) \
         == (1, 2, 1)
     # README's claim: a write-allocate cache never saves a round trip, and one that
-    # never fills on a store saves at most the stores it combines (under 15 %).
+    # never fills on a store would send at least 85 % of today's requests.
     for name, r in rows.items():
         assert r["now"] > 0, name
-        assert r["cache"] >= r["now"] >= r["nofill"] >= 0.85 * r["now"], (name, r)
+        assert r["cache"] >= r["now"] and r["nofill"] >= 0.85 * r["now"], (name, r)
+    # README's figures for what batching did: a bakery cycle is 8 requests, and a
+    # lookup's pins and second looks go as gathers and scatters (194 before, at 32).
+    assert rows["bakery lock acquire + release"]["now"] == 8
+    assert rows["KV lookup, 8-block chain"]["now"] == 15
+    assert rows["KV lookup, 32-block chain"]["now"] == 39
     assert "| bakery lock acquire + release |" in p.stdout
 
 

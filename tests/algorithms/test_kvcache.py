@@ -510,6 +510,35 @@ def test_a_full_cache_of_pinned_blocks_stores_nothing_and_says_so(backend):
     r.close()
 
 
+def _pins(r):
+    """Pins the region holds, summed over nodes and blocks (read by DMA)."""
+    (kv,) = cxlrt.inspect(r.spec)["kv_caches"]
+    return kv["pins"]
+
+
+def test_a_block_named_twice_in_one_lookup_holds_two_pins(backend):
+    """A lookup pins once per key it names, so naming a block twice pins it twice.
+    Off a direct mapping a lookup's pin words are read in one gather and written in
+    one scatter: there, two counts of one word in a batch would each build on the
+    same old value and one would be lost."""
+    r, c, keys = filled(backend, nodes=1)
+    with c.lookup([keys[0]]) as held:
+        assert _pins(r) == 1
+        with c.lookup([keys[0], keys[1], keys[0]]) as twice:
+            assert len(twice) == 3
+            assert _pins(r) == 4
+        assert _pins(r) == 1
+        more = c.block_hashes(chain(1, 8))
+        stored = c.store(more, [block_for(k) for k in more])
+        assert len(stored) == 7  # every block but the one still held was evicted
+        with c.lookup([keys[0]]) as again:
+            assert len(again) == 1
+            assert c.load(again)[0].tobytes() == block_for(keys[0])
+        assert len(held) == 1
+    assert _pins(r) == 0
+    r.close()
+
+
 def _lookups_while_locked(spec, node, keys, n):
     r = cxlrt.open(spec, node=node)
     c = open_cache(r)

@@ -167,9 +167,9 @@ cdef inline int _cxl_words_ok(const cxl_region* r, uint32_t n, const uint64_t* o
 cdef inline int cxl_gather64(const cxl_region* r, uint32_t n, const uint64_t* offs,
                              uint64_t* out) noexcept nogil:
     """cxl_load64 of each offs[i] into out[i]. Where the backend has the slot, all n go
-    as one request (rdma: every READ in flight at once), so an algorithm that knows
-    the words it needs next reads them in one round trip. Nothing is read unless
-    every offset is in range."""
+    as one request (rdma: up to the queue pair's depth of READs in flight at once, and
+    one wait for them all), so an algorithm that knows the words it needs next does not
+    pay a round trip for each. Nothing is read unless every offset is in range."""
     cdef uint32_t i
     cdef int rc = _cxl_words_ok(r, n, offs)
     if unlikely(rc != 0) or n == 0:
@@ -304,8 +304,10 @@ cdef inline int cxl_observe64(const cxl_region* r, uint64_t off, uint64_t* v) no
 
 cdef inline int cxl_observe_gather64(const cxl_region* r, uint32_t n, const uint64_t* offs,
                                      uint64_t* out) noexcept nogil:
-    """cxl_observe64 of each word: every word's line dropped, then one gather (each
-    load still follows its own line's flush)."""
+    """cxl_observe64 of each word: every word's line dropped, then one gather. With the
+    words in distinct lines each load follows its own line's flush; a line named twice
+    is loaded twice after one flush (the second load may hit the first's copy), so a
+    caller that needs two observes of one line makes them itself."""
     cdef uint32_t i
     cdef int rc = 0
     if not (r.flags & CXL_F_NOFLUSH):

@@ -23,6 +23,7 @@ from cxlrt.includes.intrin cimport (cxl_atomic_load_acquire32, cxl_backoff, cxl_
 from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_MAX_NODES, cxl_ln_acq, cxl_ln_choosing,
                            cxl_ln_number, cxl_lock_line_off, cxl_lock_node_line,
                            cxl_lock_record_bytes)
+from cxlrt.liveness cimport cxl_live_fenced
 from cxlrt.lockctx cimport (CXL_DEAD_CHECK_NS, cxl_lock_line, cxl_lock_record, cxl_lockctx,
                             cxl_node_dead)
 from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_TIMEOUT
@@ -193,7 +194,7 @@ cdef inline int _acquire(cxl_lockctx* L, uint32_t id, const cxl_window* w, words
     if words is plain_words:
         if _load(w, k, cxl_ln_acq(me), &v) == 0:
             _store(w, k, cxl_ln_acq(me), v + 1)
-    else:
+    elif not cxl_live_fenced(L.live):  # a stale life's count would undo the new life's
         _store(w, k, cxl_ln_acq(me), lines[node].acquisitions + 1)
     return 0
 

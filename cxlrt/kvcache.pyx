@@ -44,7 +44,7 @@ from cxlrt.kvindex cimport (KV_PAYLOAD_MAGIC, kv_cnode, kv_cpid, kv_entry_at, kv
                             kv_get_counters, kv_index, kv_kind, kv_line_ok, kv_meta, kv_mix,
                             kv_owner_node, kv_owner_pid, kv_payload_ok, kv_probe, kv_read, kv_state,
                             kv_stats_at, kv_zero)
-from cxlrt.kvpins cimport KV_PIN_MAX, PIN_BATCH, PinTable
+from cxlrt.kvpins cimport KV_PIN_MAX, PIN_BATCH, PinTable, kv_repeats
 from cxlrt.kvwrite cimport Writer
 from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_payload_header
 from cxlrt.lock cimport LockService, cxl_lockctx
@@ -380,7 +380,15 @@ cdef class KVCache:
             k = m - base if m - base < PIN_BATCH else PIN_BATCH
             for j in range(k):
                 offs[j] = kv_entry_at(&self.K, slots[base + j]) + KV_ENTRY_META
-            rc = cxl_observe_gather64(self.r, <uint32_t>k, offs, w)
+            if kv_repeats(slots + base, k):
+                # A block named twice: its second load would hit the copy the first
+                # filled, not one observed after the fence. One word at a time.
+                rc = 0
+                for j in range(k):
+                    if rc == 0:
+                        rc = cxl_observe64(self.r, offs[j], &w[j])
+            else:
+                rc = cxl_observe_gather64(self.r, <uint32_t>k, offs, w)
             if rc != 0:
                 return rc
             for j in range(k):

@@ -60,6 +60,9 @@ cdef inline uint64_t kv_pin_word(uint64_t pins, uint64_t slots, uint64_t node,
     return pins + (node * slots + s) * sizeof(uint64_t)
 
 
+cdef bint kv_repeats(const uint64_t* slots, uint64_t n) noexcept nogil
+
+
 cdef class PinTable:
     cdef const cxl_region* r
     cdef cxl_lockctx* L

@@ -44,7 +44,7 @@ def _my_start():
     return _START[1]
 
 
-cdef bint _repeats(const uint64_t* slots, uint64_t n) noexcept nogil:
+cdef bint kv_repeats(const uint64_t* slots, uint64_t n) noexcept nogil:
     """Whether a slot appears twice among n (n <= PIN_BATCH: the quadratic scan is
     cheaper than one request)."""
     cdef uint64_t i, j
@@ -185,7 +185,7 @@ cdef class PinTable:
             # count must build on its first.
             while i < n and rc == 0:
                 m = n - i if n - i < PIN_BATCH else PIN_BATCH
-                if _repeats(slots + i, m):
+                if kv_repeats(slots + i, m):
                     rc = self._add_each(slots + i, m, delta, mine, stamp, &did)
                 else:
                     rc = self._add_batch(slots + i, m, delta, mine, stamp, &did)
@@ -241,9 +241,11 @@ cdef class PinTable:
     cdef int _add_batch(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
                         uint64_t stamp, uint64_t* did) noexcept nogil:
         """add_locked's pass over n <= PIN_BATCH distinct slots: every pin word read in
-        one gather, then written in one scatter, then our record. A crash between the
-        two leaves the region and the record apart, as one between a word's store and
-        its record does a word at a time: the next holder rebuilds from the records."""
+        one gather and written in one scatter. As a word at a time (kvpins.pxd), the
+        region's count is raised before our record and lowered after it: a process
+        killed in between leaves the region one too many (a pin that stays), never one
+        too few (the sweep then gives back what the record holds: a count the region
+        no longer had would take another process's pin with it)."""
         cdef uint64_t offs[PIN_BATCH]
         cdef uint64_t w[PIN_BATCH]
         cdef uint32_t pick[PIN_BATCH]  # which slot each word is
@@ -251,8 +253,10 @@ cdef class PinTable:
         cdef int rc = 0, wrc
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
-            if delta < 0 and mine[slots[i]] == 0:
-                continue  # not ours to give back (a Hit of another process)
+            if delta < 0:
+                if mine[slots[i]] == 0:
+                    continue  # not ours to give back (a Hit of another process)
+                mine[slots[i]] -= 1  # before the region's word (see above)
             pick[m] = <uint32_t>i
             offs[m] = self.at(self.node, slots[i])
             m += 1
@@ -279,11 +283,9 @@ cdef class PinTable:
         if wrc != 0:
             did[0] = 0
             return wrc
-        for i in range(k):
-            if delta > 0:
+        if delta > 0:
+            for i in range(k):
                 mine[slots[pick[i]]] += 1
-            else:
-                mine[slots[pick[i]]] -= 1
         did[0] = pick[k] if rc != 0 else n
         return rc
 

@@ -293,28 +293,30 @@ cdef int emu_gather64(void* ctx, uint32_t n, const uint64_t* offs, uint64_t* out
     """n 8-byte loads, counted as one load call: the one request rdma: sends for them
     (perf/round_trips.py counts requests through these counters)."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t calls = c.st.loads
-    cdef uint32_t i
+    cdef uint32_t i, made = 0
     cdef int rc = 0
     for i in range(n):
         rc = emu_load(ctx, offs[i], &out[i], 8)
+        made += 1
         if rc != 0:
             break
-    c.st.loads = calls + 1
+    if made > 1:
+        c.st.loads -= made - 1  # one request, however many words
     return rc
 
 
 cdef int emu_scatter64(void* ctx, uint32_t n, const uint64_t* offs, const uint64_t* vals) noexcept nogil:
     """n 8-byte stores, counted as one store call (as emu_gather64)."""
     cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint64_t calls = c.st.stores
-    cdef uint32_t i
+    cdef uint32_t i, made = 0
     cdef int rc = 0
     for i in range(n):
         rc = emu_store(ctx, offs[i], &vals[i], 8)
+        made += 1
         if rc != 0:
             break
-    c.st.stores = calls + 1
+    if made > 1:
+        c.st.stores -= made - 1  # one request, however many words
     return rc
 
 
@@ -462,6 +464,7 @@ EMU_UNBOUND_OPS.load64 = _unbound_load64
 EMU_UNBOUND_OPS.store64 = _unbound_store64
 EMU_UNBOUND_OPS.flush = EMU_UNBOUND_OPS.flush_nodrain = _unbound_flush
 EMU_UNBOUND_OPS.fence = _unbound_fence
+EMU_UNBOUND_OPS.gather64 = EMU_UNBOUND_OPS.scatter64 = NULL  # the refusing load64/store64, each
 
 
 _VIOLATIONS = {

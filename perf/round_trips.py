@@ -10,9 +10,9 @@ has no cache: each load or store call is one READ or WRITE. ``emu:`` is exactly 
 cache over a shared file, and it counts what the same algorithm code does through it:
 
 - ``load``/``store`` calls: the round trips ``rdma:`` makes today (one request each; a
-  gather or scatter of words, ``cxl_gather64``/``cxl_scatter64``, is one call and one
-  round trip, its READs or WRITEs all in flight at once, and a scan of a lock record's
-  node lines is one load);
+  gather or scatter of words, ``cxl_gather64``/``cxl_scatter64``, is one call, its
+  READs or WRITEs posted together and waited for together, up to 16 in flight; a scan
+  of a lock record's node lines is one load);
 - line fills (``misses``) plus write-backs: the round trips a write-allocate line
   cache would make, one 64-byte READ or WRITE each;
 - load calls plus write-backs: a cache that never fills on a store and writes back

@@ -306,8 +306,9 @@ cdef inline int cxl_observe_gather64(const cxl_region* r, uint32_t n, const uint
                                      uint64_t* out) noexcept nogil:
     """cxl_observe64 of each word: every word's line dropped, then one gather. With the
     words in distinct lines each load follows its own line's flush; a line named twice
-    is loaded twice after one flush (the second load may hit the first's copy), so a
-    caller that needs two observes of one line makes them itself."""
+    is flushed twice, then loaded twice with no flush between (the second load may hit
+    the first's copy), so a caller that needs two observes of one line makes them
+    itself."""
     cdef uint32_t i
     cdef int rc = 0
     if not (r.flags & CXL_F_NOFLUSH):

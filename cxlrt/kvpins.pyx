@@ -212,14 +212,14 @@ cdef class PinTable:
         cdef int rc = 0
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
-            if delta < 0:
-                if mine[slots[i]] == 0:
-                    continue  # not ours to give back (a Hit of another process)
-                mine[slots[i]] -= 1
+            if delta < 0 and mine[slots[i]] == 0:
+                continue  # not ours to give back (a Hit of another process)
             at = self.at(self.node, slots[i])
             rc = cxl_load64(self.r, at, &w)
             if rc != 0:
-                break
+                break  # nothing changed for this slot
+            if delta < 0:
+                mine[slots[i]] -= 1  # before the region's word is stored
             cnt = w & KV_PIN_MAX
             if delta > 0:
                 if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
@@ -245,7 +245,9 @@ cdef class PinTable:
         region's count is raised before our record and lowered after it: a process
         killed in between leaves the region one too many (a pin that stays), never one
         too few (the sweep then gives back what the record holds: a count the region
-        no longer had would take another process's pin with it)."""
+        no longer had would take another process's pin with it). The record changes
+        only once the gather has worked: a read that failed changed nothing, and the
+        record keeps the pins for the sweep to give back."""
         cdef uint64_t offs[PIN_BATCH]
         cdef uint64_t w[PIN_BATCH]
         cdef uint32_t pick[PIN_BATCH]  # which slot each word is
@@ -253,17 +255,18 @@ cdef class PinTable:
         cdef int rc = 0, wrc
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
-            if delta < 0:
-                if mine[slots[i]] == 0:
-                    continue  # not ours to give back (a Hit of another process)
-                mine[slots[i]] -= 1  # before the region's word (see above)
+            if delta < 0 and mine[slots[i]] == 0:
+                continue  # not ours to give back (a Hit of another process)
             pick[m] = <uint32_t>i
             offs[m] = self.at(self.node, slots[i])
             m += 1
         rc = cxl_gather64(self.r, <uint32_t>m, offs, w)
         if rc != 0:
             did[0] = 0
-            return rc
+            return rc  # nothing changed: the record still holds what it gave back
+        if delta < 0:
+            for i in range(m):
+                mine[slots[pick[i]]] -= 1  # before the region's words are stored
         k = 0  # words to write: all m, or those before a saturated one
         while k < m:
             cnt = w[k] & KV_PIN_MAX

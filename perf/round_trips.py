@@ -9,7 +9,7 @@ The question (issue 14): would a per-node cache of 64-byte lines on an ``rdma:``
 has no cache: each load or store call is one READ or WRITE. ``emu:`` is exactly such a
 cache over a shared file, and it counts what the same algorithm code does through it:
 
-- ``load``/``store`` calls: the round trips ``rdma:`` makes today (one request each; a
+- ``load``/``store`` calls: the requests ``rdma:`` makes today (one READ or WRITE each; a
   gather or scatter of words, ``cxl_gather64``/``cxl_scatter64``, is one call, its
   READs or WRITEs posted together and waited for together, up to 16 in flight; a scan
   of a lock record's node lines is one load);

@@ -289,35 +289,32 @@ cdef int emu_store64(void* ctx, uint64_t off, uint64_t v) noexcept nogil:
     return emu_store(ctx, off, &v, 8)
 
 
-cdef int emu_gather64(void* ctx, uint32_t n, const uint64_t* offs, uint64_t* out) noexcept nogil:
-    """n 8-byte loads, counted as one load call: the one request rdma: sends for them
-    (perf/round_trips.py counts requests through these counters)."""
+cdef int _emu_words(void* ctx, bint write, uint32_t n, const uint64_t* offs,
+                    uint64_t* vals) noexcept nogil:
+    """n 8-byte loads or stores, counted as one call: the one request rdma: sends for
+    them (perf/round_trips.py counts requests through these counters)."""
     cdef emu_ctx* c = <emu_ctx*>ctx
     cdef uint32_t i, made = 0
     cdef int rc = 0
     for i in range(n):
-        rc = emu_load(ctx, offs[i], &out[i], 8)
+        rc = emu_store(ctx, offs[i], &vals[i], 8) if write else emu_load(ctx, offs[i], &vals[i], 8)
         made += 1
         if rc != 0:
             break
-    if made > 1:
-        c.st.loads -= made - 1  # one request, however many words
+    if made > 1:  # one request, however many words
+        if write:
+            c.st.stores -= made - 1
+        else:
+            c.st.loads -= made - 1
     return rc
+
+
+cdef int emu_gather64(void* ctx, uint32_t n, const uint64_t* offs, uint64_t* out) noexcept nogil:
+    return _emu_words(ctx, False, n, offs, out)
 
 
 cdef int emu_scatter64(void* ctx, uint32_t n, const uint64_t* offs, const uint64_t* vals) noexcept nogil:
-    """n 8-byte stores, counted as one store call (as emu_gather64)."""
-    cdef emu_ctx* c = <emu_ctx*>ctx
-    cdef uint32_t i, made = 0
-    cdef int rc = 0
-    for i in range(n):
-        rc = emu_store(ctx, offs[i], &vals[i], 8)
-        made += 1
-        if rc != 0:
-            break
-    if made > 1:
-        c.st.stores -= made - 1  # one request, however many words
-    return rc
+    return _emu_words(ctx, True, n, offs, <uint64_t*>vals)
 
 
 cdef inline uint64_t _last_line(uint64_t off, uint64_t n) noexcept nogil:

@@ -49,6 +49,10 @@ POINTS = {
     "kv.evict.intent": "KV eviction or takeover: payload record written, entry not yet tombstoned",
     "kv.evict.tombstone": "KV eviction or takeover: entry tombstoned, payload not yet freed or "
                           "quarantined",
+    "kv.pin.raised": "KV pin words raised in the region (pin mutex held), the process's "
+                     "record of them not yet",
+    "kv.unpin.lowered": "KV unpin: the process's record lowered (pin mutex held), the "
+                        "region's pin words not yet",
     "kv.pin": "KV pin word raised, entry not yet re-checked",
     "chan.claim": "channel role claim published (epoch, run), the run not yet set up",
     "chan.send": "channel message copied into its slot, tail not yet published",

@@ -11,8 +11,9 @@ Keys come from three places:
   dies or stalls in it and takes it over;
 - ``n<node>:<i>``, a survivor's own keys (a fixed set, stored once: later stores of them
   are skipped, which still takes the cache lock);
-- for the evict points (and ``kv.pin``), a small cache: every survivor stores fresh own
-  keys, so every store evicts; the victim's stores evict too and reach its point.
+- for the evict points (and the pin points), a small cache: every survivor stores fresh
+  own keys, so every store evicts; the victim's stores evict too and reach its point,
+  and at a pin point the victim looks up and loads what it stored.
 
 The ledger records each store before (``s?``: keys, attempt) and after (``s``: the keys
 store() returned, or ``s!``: ClaimLost's stored keys), and each lookup. Survivors load
@@ -25,7 +26,7 @@ unless something evicts, and the block loads byte-identical to the last acknowle
 store (an evict point may have dropped it, never altered it); a key nobody acknowledged
 is absent or loads the exact bytes of one of the victim's unacknowledged attempts; a
 claim (WRITING) left behind is taken over by the next store of its key within the bound;
-after a kill at ``kv.pin``, the blocks the dead reader pinned can be deleted within the
+after a kill at a pin point, the blocks the dead reader pinned can be deleted within the
 bound (its pins do not block eviction forever).
 """
 
@@ -43,7 +44,8 @@ KV_NAME = "hk"
 KV_BB = 1024            # bytes per block: two copy chunks, so kv.store.copy has a middle
 OWN_KEYS = 96           # a survivor's own keys when nothing evicts
 SMALL_CACHE = 24        # blocks, for the evict points: every store evicts
-EVICT_POINTS = ("kv.evict.intent", "kv.evict.tombstone", "kv.pin")
+PIN_POINTS = ("kv.pin", "kv.pin.raised", "kv.unpin.lowered")
+EVICT_POINTS = ("kv.evict.intent", "kv.evict.tombstone", *PIN_POINTS)
 NEG_ATTEMPT = 1 << 40   # the attempt number a negative control writes as
 
 
@@ -129,7 +131,7 @@ def _kv_victim(ctx: Ctx, vpos: Any) -> None:
             vpos.value = i
             attempt += 1
             got = _store(ctx, c, keys, attempt)  # ClaimLost / LeaseLost end the victim
-            if ctx.case.point == "kv.pin" and got:
+            if ctx.case.point in PIN_POINTS and got:
                 ctx.record("l?", keys=[k.hex() for k in got])
                 with c.lookup(got) as hit:  # the pin point
                     n = len(hit)
@@ -271,7 +273,7 @@ def _kv_verify(data: CaseData) -> list[str]:
             for a, ks in pending.items():  # the attempt the point interrupted (or a raise)
                 for key in ks:
                     unacked.setdefault(key, set()).add((i, a))
-    if case.mode != "kill" or case.point != "kv.pin":
+    if case.mode != "kill" or case.point not in PIN_POINTS:
         pinned = []  # a stopped reader resumed and let go; only a dead one is tested
     keys = sorted(tried)
     final = _in_child(_final_state, data.spec, keys, pinned, case.bound, timeout=120)
@@ -314,7 +316,7 @@ def _kv_verify(data: CaseData) -> list[str]:
             out.append(f"a claim (WRITING) on key {k} was left behind and a store of the key "
                        f"could not take it over within {case.bound} s")
     for k in final["undeletable"]:
-        out.append(f"key {k}, pinned by the reader killed at kv.pin, still cannot be "
+        out.append(f"key {k}, pinned by the reader killed at {case.point}, still cannot be "
                    f"evicted {case.bound} s after the checks began: its pins block "
                    "eviction for ever")
     return out

@@ -7,6 +7,9 @@
 #  - A process's record in the node-local table counts the pins it holds; the
 #    shared count is raised before the record and lowered after it, so a crash
 #    in between leaves a pin too many (a block kept), never one too few.
+#  - A holder of the pin mutex that died leaves the mutex marked until one of the
+#    cache's users has rebuilt the node's pin words from the records: the heartbeat's
+#    sweep may take the robust mutex's dead-owner signal first, and it cannot rebuild.
 #  - A record names its process by pid and start time; the node's other
 #    processes give back the pins of a record whose process is gone. A process
 #    gives its record back when it closes the cache; a record of a live process

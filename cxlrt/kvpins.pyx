@@ -8,9 +8,10 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport (CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_gather64,
                             cxl_load64, cxl_scatter64, cxl_store64)
-from cxlrt.includes.intrin cimport cxl_pid, cxl_prefetch_w, cxl_wall_ns
-from cxlrt.lock cimport cxl_local_enter, cxl_local_exit, cxl_local_try_enter, cxl_lock_held
-from cxlrt.includes.intrin cimport CXL_ASSERT
+from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
+from cxlrt.includes.intrin cimport CXL_ASSERT, cxl_pid, cxl_prefetch_w, cxl_wall_ns, unlikely
+from cxlrt.lock cimport (cxl_local_enter, cxl_local_exit, cxl_local_repaired,
+                         cxl_local_try_enter, cxl_lock_held)
 from cxlrt.layout cimport CXL_LINE_SIZE
 from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_KVNOREC, CXLRT_E_KVPINS, check_rc
@@ -30,6 +31,7 @@ cdef size_t _PIDNS = <size_t>&(<kv_pin_file_header*>NULL).pidns
 cdef size_t _HEAD_USED = _PIDNS + sizeof(uint64_t)
 assert sizeof(kv_pin_file_header) == CXL_LINE_SIZE and sizeof(kv_pin_record_head) == CXL_LINE_SIZE
 cdef int RECORDS = 64                           # processes of one node pinning at once
+cdef int* _armed = cxl_crash_armed_ptr()
 
 
 _HELD = set()  # (table path, record) held by a live PinTable of this process
@@ -125,7 +127,9 @@ cdef class PinTable:
         if rc == 1:
             rc = self._rebuild()
             if rc != 0:
-                cxl_local_exit(self.L, self.lock_id)
+                cxl_local_exit(self.L, self.lock_id)  # still marked: the next taker rebuilds
+                return rc
+            cxl_local_repaired(self.L, self.lock_id)
         return rc
 
     cdef void leave(self) noexcept nogil:
@@ -220,6 +224,8 @@ cdef class PinTable:
                 break  # nothing changed for this slot
             if delta < 0:
                 mine[slots[i]] -= 1  # before the region's word is stored
+                if unlikely(_armed[0]):
+                    cxl_crash_hit(b"kv.unpin.lowered")
             cnt = w & KV_PIN_MAX
             if delta > 0:
                 if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
@@ -234,6 +240,8 @@ cdef class PinTable:
             if rc != 0:
                 break
             if delta > 0:
+                if unlikely(_armed[0]):
+                    cxl_crash_hit(b"kv.pin.raised")
                 mine[slots[i]] += 1
         did[0] = i if rc != 0 else n
         return rc
@@ -267,6 +275,8 @@ cdef class PinTable:
         if delta < 0:
             for i in range(m):
                 mine[slots[pick[i]]] -= 1  # before the region's words are stored
+            if m and unlikely(_armed[0]):
+                cxl_crash_hit(b"kv.unpin.lowered")
         k = 0  # words to write: all m, or those before a saturated one
         while k < m:
             cnt = w[k] & KV_PIN_MAX
@@ -287,6 +297,8 @@ cdef class PinTable:
             did[0] = 0
             return wrc
         if delta > 0:
+            if k and unlikely(_armed[0]):
+                cxl_crash_hit(b"kv.pin.raised")
             for i in range(k):
                 mine[slots[pick[i]]] += 1
         did[0] = pick[k] if rc != 0 else n

@@ -193,18 +193,30 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
 
 
 cdef inline int _local_took(cxl_local_lock* s, int rc) noexcept nogil:
+    # The dead holder's mark stays until a taker has repaired: the sweep may have
+    # taken EOWNERDEAD first, and a taker whose repair failed lets the mutex go.
+    if rc == 1:
+        s.repair = 1
     if rc >= 0:
         s.holder_pid = <uint32_t>cxl_pid()
         s.holder_tid = cxl_thread_id()
+        if s.repair:
+            rc = 1
     return rc
+
+
+cdef void cxl_local_repaired(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """What lock `id`'s node-local mutex guards is whole again (mutex held)."""
+    CXL_ASSERT(cxl_lock_held(L, id, False), b"repair marked by a thread that does not hold it")
+    cxl_lock_slot(L, id).repair = 0
 
 
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """Take only lock `id`'s node-local mutex: serialises this node's processes
     over state that only this node writes (a KV cache's pin counters), with no
-    global tier. 0; 1 when the previous holder died holding it (the caller
-    repairs what it guards); or a negative error (CXLRT_E_CLOSED once the region
-    is closing)."""
+    global tier. 0; 1 when a holder died holding it and nobody has repaired what
+    it guards since (the caller repairs it, then calls cxl_local_repaired); or a
+    negative error (CXLRT_E_CLOSED once the region is closing)."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
     return _local_took(s, cxl_local_mutex_enter(L, &s.m, id, <uint64_t>-1, True))
 
@@ -245,6 +257,7 @@ cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexce
         return 0  # held by a live thread (or busy): nothing to do
     if rc == 1:
         s.recovered += 1
+        s.repair = 1  # a node-local-only lock's guarded state: its next taker repairs
         _global_reset(L, id, mode)
         s.global_held = 0
         s.holder_pid = 0

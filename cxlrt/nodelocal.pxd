@@ -39,7 +39,8 @@ ctypedef struct cxl_local_lock:
     uint32_t holder_pid       # process holding m (0 when free)
     uint32_t holder_tid       # thread holding m
     uint32_t global_held      # this node holds the global tier
-    uint32_t pad0
+    uint32_t repair           # a node-local-only lock's holder died: the next taker
+                              # repairs what m guards (see cxl_local_enter)
     uint64_t seq              # manager mode: the request this node holds or waits on
     uint64_t recovered        # times m was taken over from a dead holder
 

@@ -393,6 +393,38 @@ def test_a_process_killed_at_a_kv_crash_point_leaves_a_working_cache(backend, po
     assert all(e["state"] == "ready" for e in c.entries())
 
 
+def _pin_and_die(spec, node, point, keys, q):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=8)
+    cxlrt.crash.arm(point, "kill")
+    with c.lookup(keys):  # pins, then gives them back
+        pass
+    os._exit(3)  # the point was never reached
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["kv.pin.raised", "kv.unpin.lowered"])
+def test_a_sibling_killed_inside_the_pin_mutex_leaves_exact_pins_after_the_sweep(
+        backend, point, keep):
+    """A process of our node is SIGKILLed holding the pin mutex, between the region's
+    pin words and its record of them. The node's heartbeat sweep takes the dead
+    holder's mutex before any user of the cache does (the robust mutex then reports
+    nothing to whoever takes it next). The next taker must still rebuild the pin words
+    from the records: afterwards the node's pins are exactly zero and every block can
+    be deleted. Before the fix the sweep's takeover swallowed the signal, and the pin
+    the record never counted stayed for the node's whole life."""
+    r, c, keys = filled(backend, nodes=2, capacity=8, blocks=8)
+    keep(r)
+    p, _ = _spawn(_pin_and_die, backend.spec(), 0, point, keys)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL, f"exit code {p.exitcode}: {point} was not reached"
+    assert r.locks.sweep() >= 1, "the sweep did not take the dead holder's pin mutex"
+    c.recover()  # gives back the dead process's record
+    (kv,) = cxlrt.inspect(r.spec)["kv_caches"]  # node 1 never pinned: all are node 0's
+    assert kv["pins"] == 0, "a pin of the killed process stayed in the region"
+    assert sorted(c.delete(keys)) == sorted(keys), "a block could not be deleted"
+
+
 def _act_and_stall(spec, node, point, op, keys, q):
     r = cxlrt.open(spec, node=node)
     c = open_cache(r, capacity_blocks=8)

@@ -29,7 +29,7 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
 from cxlrt.backend cimport (Backend, CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
-                            CXL_HINT_REFUSED, CXL_HINT_REPEAT, cxl_ops)
+                            CXL_HINT_REFUSED, CXL_HINT_REPEAT, CXL_OPS_ABI, cxl_ops)
 from cxlrt.includes.intrin cimport cxl_atomic_load_acquire32, cxl_atomic_store_release32
 from cxlrt.status cimport CXLRT_E_CLOSED, CXLRT_E_IO, CXLRT_E_UNSUPPORTED
 
@@ -471,7 +471,7 @@ cdef int rdma_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
 
 
 cdef cxl_ops RDMA_OPS = cxl_ops(
-    load=rdma_load, store=rdma_store, load64=rdma_load64, store64=rdma_store64,
+    abi=CXL_OPS_ABI, load=rdma_load, store=rdma_store, load64=rdma_load64, store64=rdma_store64,
     flush=rdma_flush, flush_nodrain=rdma_flush, fence=rdma_fence,
     dma_read=rdma_dma_read, dma_write=rdma_dma_write, hint=rdma_hint,
     gather64=rdma_gather64, scatter64=rdma_scatter64)

@@ -51,7 +51,16 @@ ctypedef int (*cxl_scatter64_fn)(void* ctx, uint32_t n, const uint64_t* offs,
                                  const uint64_t* vals) noexcept nogil
 
 
+# The layout of cxl_ops. A table built against another layout (a backend compiled
+# against an older cxlrt) refuses to open instead of calling garbage: its first word
+# is then a function pointer or NULL, never this number.
+# 1: to 2026-12-04; 2: gather64 and scatter64, and this word.
+cdef enum:
+    CXL_OPS_ABI = 2
+
+
 ctypedef struct cxl_ops:
+    uint64_t abi                # CXL_OPS_ABI: the layout this table was built for
     cxl_load_fn load            # pre: off+n <= size; copies through this node's view
     cxl_store_fn store          # pre: off+n <= size; dirties lines in this node's view
     cxl_load64_fn load64        # pre: off % 8 == 0; one untorn 8-byte load

@@ -7,7 +7,7 @@ from libc.stdint cimport uint32_t, uint64_t
 from cxlrt.includes.intrin cimport CXL_NT_MIN, CXLRT_DEBUG, cxl_nt_enabled
 from cxlrt.mapping cimport Mapping
 
-from cxlrt.errors import RegionClosedError
+from cxlrt.errors import RegionClosedError, RegionError
 
 # This build's debug level (cxlrt/includes/debug.h): 0 release, 1 asserts and test
 # hooks, 2 also expensive walks. Tests that need the hooks skip unless it is >= 1.
@@ -29,9 +29,16 @@ cdef class Backend:
     """
 
     cdef cxl_region* region(self) except NULL:
-        """The C view for algorithms; raises once closed."""
+        """The C view for algorithms; raises once closed, or if the backend's ops
+        table was built for another layout of the contract."""
         if self.reg.closed or self.reg.ops == NULL:
             raise RegionClosedError(f"{self.scheme}:{self.path} is closed")
+        if self.reg.ops.abi != CXL_OPS_ABI:
+            raise RegionError(
+                f"backend {type(self).__qualname__} ({self.scheme}:) fills a cxl_ops table "
+                f"of another layout than this cxlrt's (its abi word is "
+                f"{self.reg.ops.abi:#x}, not {CXL_OPS_ABI}): rebuild it against this "
+                "cxlrt, and set `abi = CXL_OPS_ABI` in its table")
         return &self.reg
 
     cpdef close(self):

@@ -5,7 +5,7 @@
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
-from cxlrt.backend cimport cxl_ops
+from cxlrt.backend cimport CXL_OPS_ABI, cxl_ops
 from cxlrt.includes.intrin cimport (cxl_copy_out, cxl_fence_drain, cxl_fence_full,
                                     cxl_load64_volatile, cxl_store64_volatile)
 
@@ -59,7 +59,7 @@ cdef inline void direct_ops_init(cxl_ops* ops) noexcept nogil:
     stores, no write-back, a real fence. A non-coherent medium (dax:) then replaces
     flush, flush_nodrain, fence and the DMA slots with its own."""
     memset(ops, 0, sizeof(cxl_ops))  # a slot the literal misses is NULL (Cython only warns)
-    ops[0] = cxl_ops(load=direct_load, store=direct_store, load64=direct_load64,
+    ops[0] = cxl_ops(abi=CXL_OPS_ABI, load=direct_load, store=direct_store, load64=direct_load64,
                      store64=direct_store64, flush=direct_noflush, flush_nodrain=direct_noflush,
                      fence=direct_fence, dma_read=direct_load, dma_write=direct_dma_write,
                      hint=NULL, gather64=NULL, scatter64=NULL)

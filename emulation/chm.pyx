@@ -41,7 +41,8 @@ from posix.unistd cimport close, pread, pwrite
 
 from cxlrt.backend cimport (CXL_CAP_COHERENT, CXL_CAP_SHARED_HOSTS, CXL_F_NOFLUSH,
                             CXL_HINT_ADMIT, CXL_HINT_DRAIN, CXL_HINT_PREFETCH,
-                            CXL_HINT_REFUSED, CXL_HINT_RELEASE, CXL_HINT_WAIT, cxl_ops)
+                            CXL_HINT_REFUSED, CXL_HINT_RELEASE, CXL_HINT_WAIT, CXL_OPS_ABI,
+                            cxl_ops)
 from cxlrt.includes.intrin cimport (CXLRT_DEBUG, CXLRT_TEST_HOOK, cxl_atomic_add_relaxed64,
                                     cxl_atomic_load_acquire32, cxl_atomic_load_relaxed64,
                                     cxl_fence_full, cxl_now_ns, cxl_spin_ns, unlikely)
@@ -830,7 +831,7 @@ cdef int chm_hint(void* ctx, int kind, uint64_t a, uint64_t b) noexcept nogil:
 
 
 cdef cxl_ops CHM_OPS = cxl_ops(
-    load=chm_load, store=chm_store, load64=chm_load64, store64=chm_store64, flush=chm_flush,
+    abi=CXL_OPS_ABI, load=chm_load, store=chm_store, load64=chm_load64, store64=chm_store64, flush=chm_flush,
     flush_nodrain=chm_flush, fence=chm_fence, dma_read=chm_dma_read, dma_write=chm_dma_write,
     hint=chm_hint, gather64=NULL, scatter64=NULL)
 

@@ -16,7 +16,8 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy
 
-from cxlrt.backend cimport CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS, cxl_ops
+from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS,
+                            CXL_OPS_ABI, cxl_ops)
 from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
                                     cxl_copy_out, cxl_fence_full, cxl_spin_ns, likely, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
@@ -422,7 +423,7 @@ cdef inline void _dma_delay(emu_ctx* c, uint64_t n) noexcept nogil:
 
 
 cdef cxl_ops EMU_OPS = cxl_ops(
-    load=emu_load, store=emu_store, load64=emu_load64, store64=emu_store64, flush=emu_flush,
+    abi=CXL_OPS_ABI, load=emu_load, store=emu_store, load64=emu_load64, store64=emu_store64, flush=emu_flush,
     flush_nodrain=emu_flush_nodrain, fence=emu_fence, dma_read=emu_dma_read,
     dma_write=emu_dma_write, hint=NULL, gather64=emu_gather64, scatter64=emu_scatter64)
 

@@ -15,7 +15,8 @@ SRC = '''
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
 from cxlrt.backend cimport (Backend, cxl_ops, cxl_region, cxl_load64, cxl_store64, cxl_persist,
-                            CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH)
+                            CXL_CAP_COHERENT, CXL_CAP_MAPPABLE, CXL_F_DIRECT, CXL_F_NOFLUSH,
+                            CXL_OPS_ABI)
 
 cdef int _nop(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     return 0
@@ -24,19 +25,25 @@ cdef int _fence(void* ctx) noexcept nogil:
     return 0
 
 cdef cxl_ops OPS
+OPS.abi = CXL_OPS_ABI
 OPS.flush = _nop
 OPS.flush_nodrain = _nop
 OPS.fence = _fence
 
+cdef cxl_ops OLD_OPS  # as a backend built against another layout fills it: no abi word
+OLD_OPS.flush = _nop
+OLD_OPS.flush_nodrain = _nop
+OLD_OPS.fence = _fence
+
 cdef class HeapBackend(Backend):
     cdef char* mem
-    def __init__(self, uint64_t size):
+    def __init__(self, uint64_t size, bint old=False):
         self.mem = <char*>calloc(1, size)
         self.reg.base = self.mem
         self.reg.size = size
         self.reg.caps = CXL_CAP_COHERENT | CXL_CAP_MAPPABLE
         self.reg.flags = CXL_F_DIRECT | CXL_F_NOFLUSH
-        self.reg.ops = &OPS
+        self.reg.ops = &OLD_OPS if old else &OPS
     def __dealloc__(self):
         free(self.mem)
 
@@ -78,6 +85,8 @@ def test_external_backend_compiles_and_runs(tmp_path):
     b = mod.HeapBackend(4096)
     assert mod.roundtrip(b, 64, 1234) == (0, 1234)
     assert mod.roundtrip(b, 4096, 1)[0] == CODES["CXLRT_E_RANGE"]  # no crash
+    with pytest.raises(cxlrt.RegionError, match="another layout.*rebuild it"):
+        mod.roundtrip(mod.HeapBackend(4096, old=True), 64, 1)
     b.close()
     with pytest.raises(cxlrt.RegionClosedError):
         mod.roundtrip(b, 64, 1)

@@ -348,6 +348,8 @@ KILL_POINTS = {
     "kv.evict.intent": "store",
     "kv.evict.tombstone": "store",
     "kv.pin": "lookup",
+    "kv.pin.raised": "lookup",
+    "kv.unpin.lowered": "lookup",
 }
 
 
@@ -356,7 +358,8 @@ def _act_and_die(spec, node, point, op, keys, q):
     c = open_cache(r, capacity_blocks=8)
     cxlrt.crash.arm(point, "kill")
     if op == "lookup":
-        c.lookup(keys)
+        with c.lookup(keys):  # pins, then gives them back
+            pass
     else:
         c.store(keys, [block_for(k) for k in keys])
     os._exit(3)  # the point was never reached

@@ -15,6 +15,14 @@ Keys come from three places:
   own keys, so every store evicts; the victim's stores evict too and reach its point,
   and at a pin point the victim looks up and loads what it stored.
 
+When the victim is killed inside the pin mutex (``kv.pin.raised``, ``kv.unpin.lowered``),
+a sibling shares its node and pins nothing: the node stays alive, so its pin words
+keep counting, and once everyone else is done the sibling sweeps (as its heartbeat
+would), gives back the victim's record, writes its node's view back, and the node's
+words on the medium must come back to what its live records hold, none, within the
+bound (the victim left its words and its record out of step). Everywhere else the
+victim is its node's only process, so a stalled or dead node's pins are void.
+
 The ledger records each store before (``s?``: keys, attempt) and after (``s``: the keys
 store() returned, or ``s!``: ClaimLost's stored keys), and each lookup. Survivors load
 what they look up and record a violation for any byte that is not the block of a store
@@ -45,6 +53,7 @@ KV_BB = 1024            # bytes per block: two copy chunks, so kv.store.copy has
 OWN_KEYS = 96           # a survivor's own keys when nothing evicts
 SMALL_CACHE = 24        # blocks, for the evict points: every store evicts
 PIN_POINTS = ("kv.pin", "kv.pin.raised", "kv.unpin.lowered")
+IN_PIN_MUTEX = ("kv.pin.raised", "kv.unpin.lowered")
 EVICT_POINTS = ("kv.evict.intent", "kv.evict.tombstone", *PIN_POINTS)
 NEG_ATTEMPT = 1 << 40   # the attempt number a negative control writes as
 
@@ -183,6 +192,29 @@ def _kv_worker(ctx: Ctx, vpos: Any, after_store: Any) -> None:
                     for k in keys[n:n + 1]:
                         mine.pop(k, None)  # evicted: another store of it may win now
             time.sleep(rnd.uniform(0.001, 0.004))
+
+
+def _kv_sibling(ctx: Ctx) -> None:
+    with cxlrt.open(ctx.spec, node=ctx.node) as r, cxlrt.KVCache(r, KV_NAME) as c:
+        ctx.start()
+        while ctx.running():
+            time.sleep(0.01)
+        r.locks.sweep()  # takes a dead holder's pin mutex first, as the heartbeat may
+        t0 = time.monotonic()
+        while True:
+            c.recover()
+            r.flush(0, r.size)  # a word left in the node's view would reach the medium later
+            (kv,) = cxlrt.inspect(ctx.spec)["kv_caches"]
+            left = kv["pins_by_node"][ctx.node]
+            if left == 0:
+                ctx.record("pins", left=0, s=round(time.monotonic() - t0, 3))
+                return
+            if time.monotonic() - t0 > ctx.case.bound:
+                ctx.record("violation", what=f"node {ctx.node}'s pin words still count {left} "
+                           f"pin(s) {ctx.case.bound} s after its only other process was done, "
+                           "and no live process of the node holds one")
+                return
+            time.sleep(0.05)
 
 
 # --- afterwards --------------------------------------------------------------------------
@@ -331,6 +363,8 @@ def kv_workload(case: Case, *, after_store: Any = None) -> Workload:
     vpos = _CTX.Value("q", 0, lock=False)
     procs = [Proc("victim", 1, _kv_victim, (vpos,)) if k == 1 else
              Proc("worker", k, _kv_worker, (vpos, after_store)) for k in range(case.nodes)]
+    if case.point in IN_PIN_MUTEX and case.mode == "kill":
+        procs.append(Proc("sibling", 1, _kv_sibling, wave=1))
     cap = _capacity(case)
     size = max(16, 8 + cap * 3 // 1024 + case.nodes)
     return Workload(procs, verify=_kv_verify, resources=("kv",), setup=_kv_setup,

@@ -25,6 +25,7 @@ from cxlrt.mapping cimport Mapping
 
 cdef enum:
     PIN_BATCH = 64             # pin words per gather and scatter (not a direct mapping)
+    REBUILD_WORDS = 512        # pin words per read of a rebuild
     KV_PIN_MAX = 0xffff        # pins of one node on one slot (low 16 bits of a pin word)
 
 
@@ -99,5 +100,6 @@ cdef class PinTable:
     cdef void prefetch(self, const uint64_t* slots, uint64_t n) noexcept nogil
     cdef int _rebuild(self) noexcept nogil
     cdef int _release(self, int k) noexcept nogil
+    cdef void _unsound(self) noexcept nogil
     cdef uint16_t* _record(self, int k) noexcept nogil
     cdef uint64_t* _head(self, int k) noexcept nogil

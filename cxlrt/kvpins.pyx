@@ -6,11 +6,11 @@
 from libc.stdint cimport uint16_t, uint64_t
 from libc.string cimport memset
 
-from cxlrt.backend cimport (CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_gather64,
+from cxlrt.backend cimport (CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_gather64, cxl_load,
                             cxl_load64, cxl_scatter64, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
 from cxlrt.includes.intrin cimport CXL_ASSERT, cxl_pid, cxl_prefetch_w, cxl_wall_ns, unlikely
-from cxlrt.lock cimport (cxl_local_enter, cxl_local_exit, cxl_local_repaired,
+from cxlrt.lock cimport (cxl_local_enter, cxl_local_exit, cxl_local_needs_repair,
                          cxl_local_try_enter, cxl_lock_held)
 from cxlrt.layout cimport CXL_LINE_SIZE
 from cxlrt.mapping cimport Mapping
@@ -129,7 +129,7 @@ cdef class PinTable:
             if rc != 0:
                 cxl_local_exit(self.L, self.lock_id)  # still marked: the next taker rebuilds
                 return rc
-            cxl_local_repaired(self.L, self.lock_id)
+            cxl_local_needs_repair(self.L, self.lock_id, False)
         return rc
 
     cdef void leave(self) noexcept nogil:
@@ -199,15 +199,22 @@ cdef class PinTable:
             # A block this node already pins 65535 times: the pins before it hold,
             # and the caller ends its hit there (done says where).
             if cxl_fence(self.r) != 0:
+                self._unsound()
                 self.done = 0  # unknown state: the caller fails the lookup
                 return -1
             return rc
-        if rc != 0 and delta > 0 and i > 0:
-            self.add_locked(slots, i, -1)  # any other failure: all or nothing
-            self.done = 0
         if rc != 0:
+            # A failed read changed nothing, but a failed write may have landed in
+            # part: the next taker rebuilds, whatever the rollback manages.
+            self._unsound()
+            if delta > 0 and i > 0:
+                self.add_locked(slots, i, -1)  # all or nothing
+            self.done = 0
             return rc
-        return cxl_fence(self.r)
+        rc = cxl_fence(self.r)
+        if rc != 0:
+            self._unsound()
+        return rc
 
     cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
                        uint64_t stamp, uint64_t* did) noexcept nogil:
@@ -318,36 +325,50 @@ cdef class PinTable:
         return <uint64_t*>(self._base + kv_pin_record_off(self.slots, k))
 
     cdef int _rebuild(self) noexcept nogil:
-        cdef uint64_t s, w, at, total
-        cdef int k, rc
-        for s in range(self.slots):
-            total = 0
-            for k in range(RECORDS):
-                if self._head(k)[0] != 0:
-                    total += self._record(k)[s]
-            total = min(total, KV_PIN_MAX)
-            at = self.at(self.node, s)
-            rc = cxl_load64(self.r, at, &w)
-            if rc == 0 and (w & KV_PIN_MAX) != total:
-                rc = cxl_store64(self.r, at, (w & ~(<uint64_t>KV_PIN_MAX)) | total)
-                if rc == 0:
-                    rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
-            if rc != 0:
-                return rc
-        return cxl_fence(self.r)
+        """Set our node's pin words to what the records count (pin mutex held, its
+        last holder died inside). Words are read REBUILD_WORDS at a time (one request
+        each off a direct mapping) and only the ones that differ are stored, each as
+        one untorn word: other nodes read them meanwhile. Every word is written back,
+        changed or not: a dead holder's store may sit in the node's view with its
+        write-back lost."""
+        cdef uint64_t w[REBUILD_WORDS]
+        cdef uint64_t s0, s, m, total, at0 = self.at(self.node, 0)
+        cdef int k, rc = 0
+        s0 = 0
+        while s0 < self.slots and rc == 0:
+            m = min(self.slots - s0, <uint64_t>REBUILD_WORDS)
+            rc = cxl_load(self.r, at0 + s0 * sizeof(uint64_t), w, m * sizeof(uint64_t))
+            for s in range(s0, s0 + m):
+                if rc != 0:
+                    break
+                total = 0
+                for k in range(RECORDS):
+                    if self._head(k)[0] != 0:
+                        total += self._record(k)[s]
+                total = min(total, KV_PIN_MAX)
+                if (w[s - s0] & KV_PIN_MAX) != total:
+                    rc = cxl_store64(self.r, at0 + s * sizeof(uint64_t),
+                                     (w[s - s0] & ~(<uint64_t>KV_PIN_MAX)) | total)
+            s0 += m
+        if rc == 0:
+            rc = cxl_flush_nodrain(self.r, at0, self.slots * sizeof(uint64_t))
+        if rc == 0:
+            rc = cxl_fence(self.r)
+        return rc
 
     cdef int _release(self, int k) noexcept nogil:
-        """Give back every pin of record k and free it (pin mutex held)."""
-        cdef uint64_t s, w, at, cnt
+        """Give back every pin of record k and free it (pin mutex held). The record
+        is freed only once the region's words are written back."""
+        cdef uint64_t s, w = 0, at, cnt
         cdef uint16_t* c = self._record(k)
-        cdef int rc
+        cdef int rc = 0
         for s in range(self.slots):
             if c[s] == 0:
                 continue
             at = self.at(self.node, s)
             rc = cxl_load64(self.r, at, &w)
             if rc != 0:
-                return rc
+                break
             cnt = w & KV_PIN_MAX
             cnt = cnt - c[s] if cnt > c[s] else 0
             c[s] = 0
@@ -355,10 +376,20 @@ cdef class PinTable:
             if rc == 0:
                 rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
             if rc != 0:
-                return rc
+                break
+        if rc == 0:
+            rc = cxl_fence(self.r)
+        if rc != 0:
+            self._unsound()
+            return rc
         self._head(k)[0] = 0
         self._head(k)[1] = 0
-        return cxl_fence(self.r)
+        return 0
+
+    cdef void _unsound(self) noexcept nogil:
+        """A write inside the pin mutex failed part-way: the region and the records
+        may disagree. The next taker rebuilds the words from the records."""
+        cxl_local_needs_repair(self.L, self.lock_id, True)
 
     def _recover_locked(self):
         """Give back records of dead processes, and this process's orphans: records

@@ -48,7 +48,7 @@ cdef int cxl_lock_sweep(void* ctx) noexcept nogil
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef int cxl_local_try_enter(cxl_lockctx* L, uint32_t id) noexcept nogil
 cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil
-cdef void cxl_local_repaired(cxl_lockctx* L, uint32_t id) noexcept nogil
+cdef void cxl_local_needs_repair(cxl_lockctx* L, uint32_t id, bint yes) noexcept nogil
 cdef bint cxl_lock_held(cxl_lockctx* L, uint32_t id, bint global_tier) noexcept nogil
 
 

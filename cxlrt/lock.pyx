@@ -132,6 +132,7 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
         s.global_held = 0
     s.holder_pid = <uint32_t>cxl_pid()
     s.holder_tid = cxl_thread_id()
+    s.repair = 0  # a two-tier lock's holder repairs nothing: a sweep's mark is moot
     if unlikely(cxl_live_fenced(L.live)):
         s.holder_pid = 0
         s.holder_tid = 0
@@ -205,17 +206,19 @@ cdef inline int _local_took(cxl_local_lock* s, int rc) noexcept nogil:
     return rc
 
 
-cdef void cxl_local_repaired(cxl_lockctx* L, uint32_t id) noexcept nogil:
-    """What lock `id`'s node-local mutex guards is whole again (mutex held)."""
+cdef void cxl_local_needs_repair(cxl_lockctx* L, uint32_t id, bint yes) noexcept nogil:
+    """Whether what lock `id`'s node-local mutex guards needs its next taker to repair
+    it (mutex held): no once the taker has, yes when a holder's update failed
+    part-way."""
     CXL_ASSERT(cxl_lock_held(L, id, False), b"repair marked by a thread that does not hold it")
-    cxl_lock_slot(L, id).repair = 0
+    cxl_lock_slot(L, id).repair = yes
 
 
 cdef int cxl_local_enter(cxl_lockctx* L, uint32_t id) noexcept nogil:
     """Take only lock `id`'s node-local mutex: serialises this node's processes
     over state that only this node writes (a KV cache's pin counters), with no
     global tier. 0; 1 when a holder died holding it and nobody has repaired what
-    it guards since (the caller repairs it, then calls cxl_local_repaired); or a
+    it guards since (the caller repairs it, then calls cxl_local_needs_repair); or a
     negative error (CXLRT_E_CLOSED once the region is closing)."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
     return _local_took(s, cxl_local_mutex_enter(L, &s.m, id, <uint64_t>-1, True))
@@ -256,8 +259,8 @@ cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexce
     if rc < 0:
         return 0  # held by a live thread (or busy): nothing to do
     if rc == 1:
-        s.recovered += 1
         s.repair = 1  # a node-local-only lock's guarded state: its next taker repairs
+        s.recovered += 1
         _global_reset(L, id, mode)
         s.global_held = 0
         s.holder_pid = 0

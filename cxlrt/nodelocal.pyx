@@ -150,10 +150,12 @@ cdef class NodeLocal:
         self.inc[0] = v
 
     def lock_slot(self, int i):
-        """Holder pid, tid, global_held and recovered count of local lock slot i."""
+        """Holder pid, tid, global_held, recovered count and pending repair of local
+        lock slot i."""
         cdef cxl_local_lock* s = <cxl_local_lock*>(<char*>self.locks + i * CXL_LOCAL_LOCK_BYTES)
         return {"holder_pid": s.holder_pid, "holder_tid": s.holder_tid,
-                "global_held": s.global_held, "recovered": s.recovered}
+                "global_held": s.global_held, "recovered": s.recovered,
+                "repair": bool(s.repair)}
 
     def busy_slots(self):
         """Indexes of lock slots a process of this node holds or held when it died."""

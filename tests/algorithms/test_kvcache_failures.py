@@ -18,7 +18,7 @@ import cxlrt
 import cxlrt.crash
 import cxlrt.kvcache
 import cxlrt.kvinspect
-from cxlrt.lock import LeaseLost
+from cxlrt.lock import MAX_LOCKS, LeaseLost
 from tests.algorithms.test_kvcache import BB, block_for, chain, filled, open_cache
 from tests.nodes import _CTX
 
@@ -396,36 +396,76 @@ def test_a_process_killed_at_a_kv_crash_point_leaves_a_working_cache(backend, po
     assert all(e["state"] == "ready" for e in c.entries())
 
 
-def _pin_and_die(spec, node, point, keys, q):
+def _pin_and_die(spec, node, point, nth, keys, q):
     r = cxlrt.open(spec, node=node)
-    c = open_cache(r, capacity_blocks=8)
-    cxlrt.crash.arm(point, "kill")
+    c = open_cache(r, capacity_blocks=64)
+    cxlrt.crash.arm(point, "kill", nth)
     with c.lookup(keys):  # pins, then gives them back
         pass
     os._exit(3)  # the point was never reached
 
 
+def _delete_from(spec, node, keys, q):
+    r = cxlrt.open(spec, node=node)
+    c = open_cache(r, capacity_blocks=64)
+    q.put(c.delete(keys))
+    c.close()
+    r.close()
+
+
+def _lock_slots(r):
+    return [r.locks.local.lock_slot(i) for i in range(MAX_LOCKS)]
+
+
 @pytest.mark.crash
-@pytest.mark.parametrize("point", ["kv.pin.raised", "kv.unpin.lowered"])
+@pytest.mark.parametrize("point,nth,shape", [("kv.pin.raised", 1, "chain"),
+                                             ("kv.unpin.lowered", 1, "chain"),
+                                             ("kv.unpin.lowered", 2, "two-lines")])
 def test_a_sibling_killed_inside_the_pin_mutex_leaves_exact_pins_after_the_sweep(
-        backend, point, keep):
+        backend, point, nth, shape, keep):
     """A process of our node is SIGKILLed holding the pin mutex, between the region's
     pin words and its record of them. The node's heartbeat sweep takes the dead
     holder's mutex before any user of the cache does (the robust mutex then reports
-    nothing to whoever takes it next). The next taker must still rebuild the pin words
-    from the records: afterwards the node's pins are exactly zero and every block can
-    be deleted. Before the fix the sweep's takeover swallowed the signal, and the pin
-    the record never counted stayed for the node's whole life."""
-    r, c, keys = filled(backend, nodes=2, capacity=8, blocks=8)
+    nothing to whoever takes it next), and marks it. The next taker must still rebuild
+    the pin words from the records: afterwards the medium counts no pin at all, and
+    the other node can delete every block. Before the fix the sweep's takeover
+    swallowed the signal, and the pin the record never counted stayed for the node's
+    whole life.
+
+    two-lines: a lookup of [a, b, b], with a's and b's pin words in different lines,
+    killed as it lowers its second pin. a's word was lowered and its write-back queued
+    but not fenced, which the dead process loses on a medium that delays write-backs:
+    the rebuild finds a's word right in the node's view and must write it back anyway."""
+    r, c, keys = filled(backend, nodes=2, capacity=64, blocks=8)
     keep(r)
-    p, _ = _spawn(_pin_and_die, backend.spec(), 0, point, keys)
+    if shape == "two-lines":
+        slot = {e["key"]: e["slot"] for e in c.entries()}
+        a = keys[0]
+        b = next((k for k in keys if slot[k] // 8 != slot[a] // 8), None)
+        assert b is not None, f"all 8 keys' pin words share one line: slots {sorted(slot.values())}"
+        keys = [a, b, b]
+    recovered = sum(s["recovered"] for s in _lock_slots(r))
+    p, _ = _spawn(_pin_and_die, backend.spec(), 0, point, nth, keys)
     p.join(60)
     assert p.exitcode == -signal.SIGKILL, f"exit code {p.exitcode}: {point} was not reached"
-    assert r.locks.sweep() >= 1, "the sweep did not take the dead holder's pin mutex"
-    c.recover()  # gives back the dead process's record
-    (kv,) = cxlrt.inspect(r.spec)["kv_caches"]  # node 1 never pinned: all are node 0's
+    deadline = time.monotonic() + 5
+    while True:  # our sweep, unless the heartbeat's is taking the dead holder's mutex
+        r.locks.sweep()
+        slots = _lock_slots(r)
+        if sum(s["recovered"] for s in slots) > recovered or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert sum(s["recovered"] for s in slots) == recovered + 1, "no sweep took the mutex"
+    assert [s["repair"] for s in slots].count(True) == 1, "the pin mutex is not marked"
+    c.recover()  # rebuilds, then gives back the dead process's record
+    assert not any(s["repair"] for s in _lock_slots(r)), "the mark outlived the rebuild"
+    r.flush(0, r.size)  # a word left in our node's view would reach the medium later
+    (kv,) = cxlrt.inspect(r.spec)["kv_caches"]  # the medium, by DMA; node 1 never pinned
     assert kv["pins"] == 0, "a pin of the killed process stayed in the region"
-    assert sorted(c.delete(keys)) == sorted(keys), "a block could not be deleted"
+    p, q = _spawn(_delete_from, backend.spec(), 1, sorted(set(keys)))
+    got = q.get(timeout=60)
+    p.join(60)
+    assert sorted(got) == sorted(set(keys)), "the other node could not delete a block"
 
 
 def _act_and_stall(spec, node, point, op, keys, q):

@@ -125,6 +125,47 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
+def _print_kept(kept: list[dict]) -> None:
+    for x in kept:
+        print(f"kept     node {x['node']} of {x['uuid']}: {'; '.join(x['users'])}")
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from cxlrt.cleanup import delete
+    done = delete(args.spec, force=args.force)
+    kept = [x for x in done["node_files"] if x["users"]]
+    if args.json:
+        print(json.dumps(done, indent=2))
+        return 1 if kept else 0
+    for p in done["medium"]:
+        print(f"removed  {p}")
+    if done["device"]:
+        print(f"device   {done['spec']} is a device: left as it is (it still holds the region; "
+              "`cxlrt format --force` reformats it)")
+    n = sum(len(x["paths"]) for x in done["node_files"] if x["removed"])
+    print(f"removed  {n} node-local file(s) of {done['uuid']}")
+    _print_kept(kept)
+    return 1 if kept else 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from cxlrt.cleanup import clean
+    from cxlrt.nodelocal import local_dir
+    done = clean(args.dir, dry_run=args.dry_run)
+    kept = [x.as_dict() for x in done if x.users]
+    if args.json:
+        print(json.dumps([x.as_dict() for x in done], indent=2))
+        return 0
+    gone = [x for x in done if not x.users]
+    verb = "would remove" if args.dry_run else "removed"
+    for x in gone:
+        print(f"{verb:<8} node {x.node} of {x.uuid}: {len(x.paths)} file(s)")
+    _print_kept(kept)
+    print(f"{args.dir or local_dir()}: {verb} the files of {len(gone)} node(s); "
+          f"{len(kept)} in use")
+    return 0
+
+
 def cmd_lockmgr(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -310,6 +351,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repair even if the node's heartbeat is fresh (dangerous)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=cmd_check)
+
+    x = sub.add_parser("delete", help="delete a region and this host's node-local files",
+                       description="Remove a region's file (and the emulation's sidecar) and "
+                                   "this host's node-local files of every node. Refuses while a "
+                                   "node's heartbeat moves (it watches for up to a lease). "
+                                   "Node-local files a live process uses are kept even with "
+                                   "--force, and named; exit code 1 when any were kept. A "
+                                   "device region is left as it is.",
+                       epilog=SPEC_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    x.add_argument("spec", help="region spec, e.g. file:/dev/shm/rack0")
+    x.add_argument("--force", action="store_true",
+                   help="delete even while nodes are alive (their processes lose the region)")
+    x.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    x.set_defaults(func=cmd_delete)
+
+    k = sub.add_parser("clean", help="remove node-local files no live process uses",
+                       description="Each node of a region keeps small files in $CXLRT_LOCAL_DIR "
+                                   "(default /dev/shm): its robust mutexes, KV pin tables and "
+                                   "channel roles. They outlive the region's file when it is "
+                                   "removed by hand. Remove every node's files that no live "
+                                   "process records or maps; what a host reboot would lose, "
+                                   "and nothing the region cannot rebuild.")
+    k.add_argument("--dir", help="the folder to clean (default: $CXLRT_LOCAL_DIR, else /dev/shm)")
+    k.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    k.add_argument("--json", action="store_true", help="print every node's files as JSON")
+    k.set_defaults(func=cmd_clean)
 
     m = sub.add_parser("lockmgr", help="run the lock manager for manager-mode locks",
                        description="Attach as a node and grant manager-mode locks round-robin "

@@ -127,9 +127,8 @@ cdef class NodeLocal:
     @contextlib.contextmanager
     def serialised(self):
         """Hold the node's flock: attach, detach and file creation are one at a time."""
-        fd = os.open(self.path + ".init", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _lock_init(self.path + ".init")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
@@ -189,6 +188,65 @@ cdef class NodeLocal:
     def proc_remove(self, int i):
         if 0 <= i < CXL_LOCAL_PROCS:
             self.procs[i].pid = 0
+
+
+def _lock_init(path):
+    """An fd holding the flock of `path`, the node's current one.
+
+    `cxlrt delete` and `cxlrt clean` unlink the file while they hold its flock. A
+    process that opened it before that and was waiting would otherwise lock a
+    name nobody else sees, and attach beside a sibling that locked the new file."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+
+
+def node_files(unsigned long long uuid, int node, directory=None):
+    """The paths of (region format `uuid`, `node`)'s node-local files that exist here:
+    the file itself, its flock file, its channel roles, its KV caches' pin tables and
+    the temporary files of a build that did not finish."""
+    d = directory or local_dir()
+    stem = os.path.join(d, f"cxlrt-{uuid:016x}-node{node}")
+    found = [p for p in (stem + ".local", stem + ".local.roles") if os.path.lexists(p)]
+    found += sorted(glob.glob(glob.escape(stem) + "-kv*.pins"))
+    found += sorted(glob.glob(glob.escape(stem) + ".local.*.tmp"))
+    if os.path.lexists(stem + ".local.init"):
+        found.append(stem + ".local.init")  # last: whoever removes them holds its flock
+    return found
+
+
+def recorded_procs(path):
+    """[(pid, start, pidns)] the node-local file at `path` records as attached, read
+    without mapping it; [] when it is missing, short or not a node-local file."""
+    cdef cxl_local_proc rec
+    cdef const char* buf
+    cdef int i
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(LOCKS_OFF)
+    except FileNotFoundError:
+        return []
+    if len(raw) < LOCKS_OFF or int.from_bytes(raw[:8], "little") != MAGIC:
+        return []
+    out = []
+    buf = raw
+    for i in range(CXL_LOCAL_PROCS):
+        memcpy(&rec, buf + CXL_LOCAL_PROCS_OFF + i * CXL_LOCAL_PROC_BYTES, sizeof(rec))
+        if rec.pid:
+            out.append((rec.pid, rec.start, rec.pidns))
+    return out
 
 
 def remove_files(unsigned long long uuid, int nodes):

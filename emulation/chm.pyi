@@ -4,6 +4,8 @@ from cxlrt.backend import Backend
 from cxlrt.mapping import Mapping
 
 PARAMS: dict[str, Any]
+
+def sidecars(path: str) -> list[str]: ...
 LOCK_TIMEOUT_S: float
 
 class ChmBackend(Backend):

@@ -842,6 +842,11 @@ assert len(_STATS) == CHM_NSTATS
 
 PARAMS = _side.PARAMS
 
+
+def sidecars(str path):
+    """Files beside the region file that belong to it (`cxlrt delete` removes them)."""
+    return [path + ".chm"]
+
 _devices = weakref.WeakSet()
 
 

@@ -5,6 +5,8 @@ from cxlrt.mapping import Mapping
 
 PARAMS: dict[str, Any]
 
+def sidecars(path: str) -> list[str]: ...
+
 class EmuBackend(Backend):
     mapping: Mapping | None
     sidecar: Mapping | None

@@ -604,3 +604,8 @@ cdef class EmuBackend(Backend):
 
 
 PARAMS = _sidecar.PARAMS
+
+
+def sidecars(str path):
+    """Files beside the region file that belong to it (`cxlrt delete` removes them)."""
+    return [path + ".emu"]

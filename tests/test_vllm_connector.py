@@ -25,6 +25,7 @@ from tests.engines import require  # noqa: E402
 require("vllm", "vLLM is not installed (bash .ci/install-vllm)")
 
 import cxlrt  # noqa: E402
+from cxlrt.cleanup import delete  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
 BLOCK = 32
@@ -63,6 +64,14 @@ P = _prompts(1, 3, 100, 20)
 Q = _prompts(2, 2, 0, 150)
 
 
+def _delete(spec):
+    """The region and its node-local files (the engines that used them have exited)."""
+    try:
+        delete(spec, force=True)
+    except FileNotFoundError:
+        pass  # a test that failed before making it
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """(work folder, model folder): the tiny random-weight Llama every engine runs."""
@@ -78,10 +87,7 @@ def env(tiny_model):
     spec = f"file:/dev/shm/cxlrt-vllm-test-{uuid.uuid4().hex[:8]}"
     base = _job(tmp, "baseline", {"model": model, "rounds": [{"prompts": P}, {"prompts": Q}]})
     yield {"tmp": tmp, "model": model, "spec": spec, "base": base}
-    try:
-        os.unlink(spec.split(":", 1)[1])
-    except FileNotFoundError:
-        pass
+    _delete(spec)
 
 
 def _extra(env, node, name="t", **kw):
@@ -179,9 +185,7 @@ def test_an_engine_on_a_cxl_hm_device_prefetches_at_the_lookup(env):
             "extra": {**_extra(env, 0, name="chm"), "spec": spec},
             "rounds": [{"prompts": P}, {"prompts": P, "reset": True}]})
     finally:
-        for p in (path, path + ".chm"):
-            if os.path.exists(p):
-                os.unlink(p)
+        _delete(spec)
     _same(got["rounds"][1], env["base"]["rounds"][0], "served from the device")
     assert all(c >= 3 * BLOCK for c in got["rounds"][1]["cached"])
     assert got["scheduler"]["prefetched_blocks"] >= 3, got["scheduler"]
@@ -576,10 +580,7 @@ def vsched(tiny_model):
     yield make
     for m in made:
         m.close()
-    try:
-        os.unlink(spec.split(":", 1)[1])
-    except FileNotFoundError:
-        pass
+    _delete(spec)
 
 
 def _new(out, rid):

@@ -1,0 +1,178 @@
+"""Removing a region (`cxlrt delete`) and node-local files nobody uses (`cxlrt clean`).
+
+A node-local file holds only locks and caches that the region can rebuild, so losing
+it is what a host reboot does (nodelocal.pxd). Removing one is safe exactly when no
+live process of its node would go on using it: none is recorded in its process table
+and none still maps it (a process that closed its Region keeps the mapping for its
+robust mutexes, nodelocal._mappings). A removal holds the node's flock, the one an
+attach takes, and unlinks the flock file last: an attach that was waiting on it
+finds the name gone and locks the new one (nodelocal._lock_init).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from cxlrt import nodelocal
+from cxlrt.errors import RegionError
+from cxlrt.liveness import pid_namespace, process_alive
+
+_NAME = re.compile(r"^cxlrt-([0-9a-f]{16})-node(\d+)(?:\.local|-kv[0-9a-f]+\.pins)")
+
+
+@dataclass
+class NodeFiles:
+    """One node's node-local files in one folder, and what became of them."""
+
+    uuid: str                     # the region format they serve, 16 hex digits
+    node: int
+    paths: list[str]
+    removed: bool = False
+    users: list[str] = field(default_factory=list)  # why they were kept: who uses them
+
+    def as_dict(self) -> dict:
+        return {"uuid": self.uuid, "node": self.node, "paths": self.paths,
+                "removed": self.removed, "users": self.users}
+
+
+def survey(directory: str | None = None) -> list[tuple[int, int]]:
+    """(uuid, node) of every node whose node-local files are in `directory`."""
+    d = directory or nodelocal.local_dir()
+    found = set()
+    for name in os.listdir(d):
+        m = _NAME.match(name)
+        if m:
+            found.add((int(m.group(1), 16), int(m.group(2))))
+    return sorted(found)
+
+
+def _mappers(paths: list[str]) -> dict[int, str]:
+    """{pid: path} of other processes of our pid namespace that map one of `paths`."""
+    want = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        want[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = p
+    if not want:
+        return {}
+    me, out = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) < 5 or fields[4] == "0":
+                        continue
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    hit = want.get((major, minor, int(fields[4])))
+                    if hit is not None:
+                        out[int(entry)] = hit
+                        break
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read: its record still counts
+    return out
+
+
+def _users(local: str, paths: list[str]) -> list[str]:
+    """Why the files are still in use; [] when nobody alive uses them."""
+    ours = pid_namespace()
+    why, seen = [], set()
+    for pid, start, pidns in nodelocal.recorded_procs(local):
+        if pid == os.getpid() and pidns == ours:
+            why.append(f"attached by this process (pid {pid}): close its Region first")
+        elif process_alive(pid, start, pidns):
+            where = "" if pidns == ours else f" of another pid namespace ({pidns})"
+            why.append(f"attached by pid {pid}{where}")
+        seen.add(pid if pidns == ours else None)
+    why += [f"mapped by pid {pid} ({os.path.basename(p)})"
+            for pid, p in sorted(_mappers(paths).items()) if pid not in seen]
+    return why
+
+
+def remove_node(uuid: int, node: int, directory: str | None = None, *,
+                dry_run: bool = False) -> NodeFiles:
+    """Remove one node's node-local files unless a live process uses them."""
+    d = directory or nodelocal.local_dir()
+    local = os.path.join(d, f"cxlrt-{uuid:016x}-node{node}.local")
+    out = NodeFiles(f"{uuid:016x}", node, nodelocal.node_files(uuid, node, d))
+    if not out.paths:
+        return out
+    init = local + ".init"
+    had_init = os.path.lexists(init)
+    fd = nodelocal._lock_init(init)  # no sibling attaches while we look and remove
+    try:
+        out.paths = nodelocal.node_files(uuid, node, d)
+        out.users = _users(local, out.paths)
+        if out.users or dry_run:
+            if not had_init and dry_run:
+                _unlink(init)  # we made it only to lock it
+                out.paths.remove(init)
+            return out
+        for p in out.paths:
+            if p != init:
+                _unlink(p)
+        _unlink(init)  # under its own flock: a waiter finds the name gone and retries
+        out.removed = True
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def clean(directory: str | None = None, *, dry_run: bool = False) -> list[NodeFiles]:
+    """Remove every node's node-local files in `directory` that no live process uses."""
+    return [remove_node(u, n, directory, dry_run=dry_run) for u, n in survey(directory)]
+
+
+def delete(spec: str, *, force: bool = False, window: float | None = None) -> dict[str, Any]:
+    """Delete a region: its medium (a file and the emulation's sidecar; a device is
+    left as it is) and this host's node-local files of every node.
+
+    Refuses, deleting nothing, while a node is alive: its heartbeat moved during
+    `window` seconds (default: a lease, as `cxlrt check` judges). ``force`` skips
+    that look. Node-local files a live process of this host uses are kept even then
+    (another attach would make a second file beside them: two holders of one
+    node-local lock); they are reported, and `cxlrt clean` removes them later.
+    """
+    import cxlrt
+    from cxlrt import api, registry
+    from cxlrt.liveness import survey as heartbeats
+
+    info = api.inspect(spec)  # NotARegionError: a file that is no region is not ours to remove
+    s, _cls, _params, fs = api._resolve(spec)
+    busy = []
+    if not force and any(a["state"] == "attached" for a in info["node_areas"]):
+        with cxlrt.open(spec, node=0, observer=True) as region:
+            busy = [n for n in heartbeats(region, -1.0 if window is None else window)
+                    if n["state"] in ("alive", "silent")]
+    if busy:
+        what = ", ".join(f"node {n['node']} {n['state']} (pid {n['pid']}, host "
+                         f"{n['host_id']})" for n in busy)
+        raise RegionError(f"{s}: not deleted: {what}. Close its processes first, or pass "
+                          "--force (force=True) to delete it under them.")
+    uuid = int(info["uuid"], 16)
+    local = [remove_node(uuid, n) for n in range(info["nodes"])]
+    medium = []
+    if not api._is_device(s.scheme, fs):
+        sidecars = registry.hook(s.scheme, "sidecars")
+        for p in [fs, *(sidecars(fs) if sidecars else [])]:
+            if os.path.lexists(p):
+                _unlink(p)
+                medium.append(p)
+    return {"spec": str(s), "uuid": info["uuid"], "medium": medium,
+            "device": api._is_device(s.scheme, fs), "node_files": [x.as_dict() for x in local]}

@@ -1,0 +1,186 @@
+"""`cxlrt delete` and `cxlrt clean`: a region and its node-local files go, and nothing a
+live process uses does (cxlrt/cleanup.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import cxlrt
+from cxlrt import cleanup, cli, nodelocal
+from cxlrt.errors import NotARegionError, RegionError
+
+LEASE = 0.5
+DEVICES = ("devdax", "rdma")
+
+# A process of node 1 that says "ready" once attached, then waits; with "close", it
+# closes its Region first (its node-local mapping stays, nodelocal._mappings).
+HOLDER = """
+import sys, time, cxlrt
+r = cxlrt.open(sys.argv[1], node=1)
+if sys.argv[2] == "kv":
+    cxlrt.KVCache(r, "kv", block_bytes=4096, capacity_blocks=8, create=False)
+if sys.argv[2] == "close":
+    r.close()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(spec: str, what: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, spec, what], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _stop(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
+    p.stdout.close()
+
+
+def _files(root: str, uuid: str, node: int | None = None) -> list[str]:
+    tag = f"cxlrt-{uuid}-node" + ("" if node is None else f"{node}")
+    return sorted(f for f in os.listdir(root) if f.startswith(tag) and
+                  (node is None or f[len(tag)] in ".-"))
+
+
+def _make(backend, nodes=2):
+    """A region whose nodes 0 and 1 each attached and made a KV cache's pin table."""
+    r = backend.create(size="8M", nodes=nodes, lease=LEASE)
+    cxlrt.KVCache(r, "kv", block_bytes=4096, capacity_blocks=8)
+    uuid = f"{r.uuid:016x}"
+    r.close()
+    with backend.open(1) as r1:
+        cxlrt.KVCache(r1, "kv", block_bytes=4096, capacity_blocks=8, create=False)
+    return uuid
+
+
+def test_delete_removes_the_medium_its_sidecar_and_every_nodes_files(backend):
+    uuid = _make(backend)
+    for n in (0, 1):
+        have = _files(backend.root, uuid, n)
+        assert any(f.endswith(".local") for f in have) and any(f.endswith(".pins") for f in have)
+    done = cleanup.delete(backend.spec())
+    assert _files(backend.root, uuid) == []
+    assert [x["removed"] for x in done["node_files"]] == [True, True]
+    if backend.name in DEVICES:
+        assert done["device"] and done["medium"] == []
+        return
+    assert done["medium"][0] == backend.path and not os.path.exists(backend.path)
+    assert not [f for f in os.listdir(backend.root) if f.startswith("region")]
+    # The name is free again: a new region there starts from nothing.
+    r = backend.create(size="8M", nodes=2, lease=LEASE)
+    assert f"{r.uuid:016x}" != uuid
+    assert cxlrt.KVCache(r, "kv", block_bytes=4096, capacity_blocks=8).occupancy == 0
+    r.close()
+
+
+def test_delete_refuses_a_live_node_and_force_keeps_the_files_it_uses(backend):
+    uuid = _make(backend)
+    p = _holder(backend.spec(), "kv")
+    try:
+        with pytest.raises(RegionError, match="node 1 alive"):
+            cleanup.delete(backend.spec())
+        assert _files(backend.root, uuid, 0) and _files(backend.root, uuid, 1)
+        if backend.name not in DEVICES:
+            assert os.path.exists(backend.path)
+        done = cleanup.delete(backend.spec(), force=True)
+        kept = [x for x in done["node_files"] if not x["removed"]]
+        assert [x["node"] for x in kept] == [1]
+        assert kept[0]["users"] == [f"attached by pid {p.pid}"]
+        assert _files(backend.root, uuid, 0) == [] and _files(backend.root, uuid, 1)
+        # Stopped is not gone: only the kernel's word that it is dead frees its files.
+        p.send_signal(signal.SIGSTOP)
+        assert not [x for x in cleanup.clean(backend.root) if x.removed]
+        assert _files(backend.root, uuid, 1)
+    finally:
+        _stop(p)
+    gone = cleanup.clean(backend.root)
+    assert [(x.uuid, x.node, x.removed) for x in gone] == [(uuid, 1, True)]
+    assert _files(backend.root, uuid) == []
+
+
+def test_clean_keeps_the_files_a_process_still_maps_after_closing_its_region(region_dir):
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    p = _holder(spec, "close")
+    try:
+        assert nodelocal.recorded_procs(nodelocal.local_path(int(uuid, 16), 1)) == []
+        done = {x.node: x for x in cleanup.clean(region_dir)}  # format attached node 0
+        assert done[0].removed and not done[1].removed
+        assert done[1].users == [f"mapped by pid {p.pid} (cxlrt-{uuid}-node1.local)"]
+    finally:
+        _stop(p)
+    (x,) = cleanup.clean(region_dir)
+    assert (x.node, x.removed) == (1, True) and _files(region_dir, uuid) == []
+
+
+def test_an_attach_waiting_on_a_removed_flock_file_locks_the_new_one(region_dir):
+    """Remove the node's flock file while holding it, as clean does; a process waiting on
+    the old one must not attach beside the one that locked the new one."""
+    path = nodelocal.local_path(0x1234, 0) + ".init"
+    old = nodelocal._lock_init(path)
+    entered = threading.Event()
+
+    def waiter():
+        fd = nodelocal._lock_init(path)
+        entered.set()
+        os.close(fd)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    os.unlink(path)
+    new = nodelocal._lock_init(path)  # a sibling that came later: it made the new file
+    fcntl.flock(old, fcntl.LOCK_UN)
+    os.close(old)
+    assert not entered.wait(0.5), "the waiter locked a flock file nobody else sees"
+    os.close(new)
+    assert entered.wait(5)
+    t.join()
+
+
+def test_delete_refuses_a_file_that_is_not_a_region(region_dir):
+    path = os.path.join(region_dir, "notes")
+    with open(path, "wb") as f:
+        f.write(b"not a region" * 1000)
+    with pytest.raises(NotARegionError):
+        cleanup.delete(f"file:{path}")
+    assert os.path.getsize(path) == 12000
+
+
+def test_the_cli_deletes_and_cleans(region_dir, capsys):
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    with cxlrt.open(spec, node=0):
+        pass
+    # Left behind by hand: the region file removed without `cxlrt delete`.
+    os.unlink(f"{region_dir}/r")
+    assert cli.main(["clean", "--dir", region_dir, "--dry-run"]) == 0
+    assert f"would remove node 0 of {uuid}: 2 file(s)" in capsys.readouterr().out
+    assert _files(region_dir, uuid, 0)
+    assert cli.main(["clean", "--json"]) == 0  # $CXLRT_LOCAL_DIR is region_dir
+    (x,) = json.loads(capsys.readouterr().out)
+    assert x["removed"] and _files(region_dir, uuid) == []
+
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    with cxlrt.open(spec, node=1):
+        pass
+    assert cli.main(["delete", spec]) == 0
+    out = capsys.readouterr().out
+    assert f"removed  {region_dir}/r\n" in out and f"removed  4 node-local file(s) of {uuid}" in out
+    assert cli.main(["delete", spec]) == 2  # gone: nothing to delete
+    assert "no region at" in capsys.readouterr().err

@@ -83,38 +83,65 @@ def _mappers(paths: list[str]) -> dict[int, str]:
 
 def _users(local: str, paths: list[str]) -> list[str]:
     """Why the files are still in use; [] when nobody alive uses them."""
+    try:
+        held = nodelocal.in_use(local) if os.path.exists(local) else False
+        recorded = nodelocal.recorded_procs(local)
+    except PermissionError:
+        return [f"not readable by this user (uid {os.geteuid()}): clean as its owner"]
     ours = pid_namespace()
     why, seen = [], set()
-    for pid, start, pidns in nodelocal.recorded_procs(local):
-        if pid == os.getpid() and pidns == ours:
+    for pid, start, pidns in recorded:
+        if pidns != ours:
+            # No pid of another namespace can be looked up from here; the read lock
+            # every attached process holds tells whether any is still alive.
+            if held:
+                why.append(f"attached by pid {pid} of another pid namespace ({pidns})")
+        elif pid == os.getpid():
             why.append(f"attached by this process (pid {pid}): close its Region first")
         elif process_alive(pid, start, pidns):
-            where = "" if pidns == ours else f" of another pid namespace ({pidns})"
-            why.append(f"attached by pid {pid}{where}")
-        seen.add(pid if pidns == ours else None)
+            why.append(f"attached by pid {pid}")
+        seen.add(pid)
+    if held and not why:
+        why.append("held open by an attached process this host cannot name")
     why += [f"mapped by pid {pid} ({os.path.basename(p)})"
             for pid, p in sorted(_mappers(paths).items()) if pid not in seen]
     return why
 
 
+FLOCK_WAIT_S = 2.0  # an attach holds the node's flock for milliseconds, unless it waits
+
+
 def remove_node(uuid: int, node: int, directory: str | None = None, *,
                 dry_run: bool = False) -> NodeFiles:
-    """Remove one node's node-local files unless a live process uses them."""
+    """Remove one node's node-local files unless a live process uses them.
+
+    A dry run only looks: it takes no lock and creates nothing."""
     d = directory or nodelocal.local_dir()
     local = os.path.join(d, f"cxlrt-{uuid:016x}-node{node}.local")
     out = NodeFiles(f"{uuid:016x}", node, nodelocal.node_files(uuid, node, d))
     if not out.paths:
         return out
+    if dry_run:
+        out.users = _users(local, out.paths)
+        return out
     init = local + ".init"
     had_init = os.path.lexists(init)
-    fd = nodelocal._lock_init(init)  # no sibling attaches while we look and remove
+    try:
+        fd = nodelocal._lock_init(init, FLOCK_WAIT_S)  # no sibling attaches meanwhile
+    except PermissionError:
+        out.users = [f"not writable by this user (uid {os.geteuid()}): clean as its owner"]
+        return out
+    except BlockingIOError:
+        out.users = [f"busy: a process of the node held its flock for {FLOCK_WAIT_S:g} s "
+                     "(attaching, detaching, or stopped there)"]
+        return out
     try:
         out.paths = nodelocal.node_files(uuid, node, d)
         out.users = _users(local, out.paths)
-        if out.users or dry_run:
-            if not had_init and dry_run:
-                _unlink(init)  # we made it only to lock it
-                out.paths.remove(init)
+        if out.users:
+            if not had_init:
+                _unlink(init)  # we made it only to lock it; a waiter retries
+                out.paths = [p for p in out.paths if p != init]
             return out
         for p in out.paths:
             if p != init:
@@ -139,40 +166,67 @@ def clean(directory: str | None = None, *, dry_run: bool = False) -> list[NodeFi
     return [remove_node(u, n, directory, dry_run=dry_run) for u, n in survey(directory)]
 
 
-def delete(spec: str, *, force: bool = False, window: float | None = None) -> dict[str, Any]:
+def _sidecars(fs: str) -> list[str]:
+    """Every file that some backend keeps beside a region file (a region made under
+    another scheme than the one named to delete it has its sidecar too)."""
+    from cxlrt import registry
+    out = []
+    for scheme in ("emu", "chm"):
+        try:
+            fn = registry.hook(scheme, "sidecars")
+        except ImportError:
+            continue
+        out += fn(fs) if fn else []
+    return out
+
+
+def delete(spec: str, *, force: bool = False, window: float | None = None,
+           say=None) -> dict[str, Any]:
     """Delete a region: its medium (a file and the emulation's sidecar; a device is
     left as it is) and this host's node-local files of every node.
 
-    Refuses, deleting nothing, while a node is alive: its heartbeat moved during
-    `window` seconds (default: a lease, as `cxlrt check` judges). ``force`` skips
-    that look. Node-local files a live process of this host uses are kept even then
-    (another attach would make a second file beside them: two holders of one
-    node-local lock); they are reported, and `cxlrt clean` removes them later.
+    Refuses, deleting nothing, while a node's heartbeat moves during `window` seconds
+    (default: the region's lease) or while a live process of this host uses one of
+    its node-local files (a process stopped past its lease looks dead to the first
+    look, not to the second). ``force`` deletes under them, but node-local files a
+    live process uses are kept even then (another attach would make a second file
+    beside them: two holders of one node-local lock); they are reported, and
+    `cxlrt clean` removes them once their processes are gone. `say(text)` hears of a
+    wait.
     """
     import cxlrt
-    from cxlrt import api, registry
+    from cxlrt import api
     from cxlrt.liveness import survey as heartbeats
 
-    info = api.inspect(spec)  # NotARegionError: a file that is no region is not ours to remove
     s, _cls, _params, fs = api._resolve(spec)
-    busy = []
-    if not force and any(a["state"] == "attached" for a in info["node_areas"]):
-        with cxlrt.open(spec, node=0, observer=True) as region:
-            busy = [n for n in heartbeats(region, -1.0 if window is None else window)
-                    if n["state"] in ("alive", "silent")]
-    if busy:
-        what = ", ".join(f"node {n['node']} {n['state']} (pid {n['pid']}, host "
-                         f"{n['host_id']})" for n in busy)
-        raise RegionError(f"{s}: not deleted: {what}. Close its processes first, or pass "
-                          "--force (force=True) to delete it under them.")
+    device = api._is_device(s.scheme, fs)
+    if not device and os.path.islink(fs):
+        raise ValueError(f"{s}: {fs} is a symbolic link to {os.path.realpath(fs)}; name the "
+                         "region's file itself")
+    info = api.inspect(spec)  # NotARegionError: a file that is no region is not ours to remove
     uuid = int(info["uuid"], 16)
-    local = [remove_node(uuid, n) for n in range(info["nodes"])]
+    if not force:
+        busy = []
+        if any(a["state"] == "attached" for a in info["node_areas"]):
+            with cxlrt.open(spec, node=0, observer=True) as region:
+                look = region.lease_ms / 1000 if window is None else window
+                if say is not None:
+                    say(f"watching the attached nodes' heartbeats for up to {look:g} s "
+                        "(a lease)")
+                busy = [f"node {n['node']} {n['state']} (pid {n['pid']}, host {n['host_id']})"
+                        for n in heartbeats(region, look) if n["state"] in ("alive", "silent")]
+        for n in range(info["nodes"]):
+            x = remove_node(uuid, n, dry_run=True)
+            busy += [f"node {n}'s node-local files are {u}" for u in x.users]
+        if busy:
+            raise RegionError(f"{s}: not deleted: {'; '.join(busy)}. Close those processes "
+                              "first, or pass --force (force=True) to delete it under them.")
     medium = []
-    if not api._is_device(s.scheme, fs):
-        sidecars = registry.hook(s.scheme, "sidecars")
-        for p in [fs, *(sidecars(fs) if sidecars else [])]:
+    if not device:
+        for p in [fs, *_sidecars(fs)]:
             if os.path.lexists(p):
                 _unlink(p)
                 medium.append(p)
-    return {"spec": str(s), "uuid": info["uuid"], "medium": medium,
-            "device": api._is_device(s.scheme, fs), "node_files": [x.as_dict() for x in local]}
+    local = [remove_node(uuid, n) for n in range(info["nodes"])]
+    return {"spec": str(s), "uuid": info["uuid"], "medium": medium, "device": device,
+            "node_files": [x.as_dict() for x in local]}

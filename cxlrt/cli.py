@@ -132,11 +132,11 @@ def _print_kept(kept: list[dict]) -> None:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     from cxlrt.cleanup import delete
-    done = delete(args.spec, force=args.force)
+    done = delete(args.spec, force=args.force, say=lambda m: print(m, file=sys.stderr))
     kept = [x for x in done["node_files"] if x["users"]]
     if args.json:
         print(json.dumps(done, indent=2))
-        return 1 if kept else 0
+        return 3 if kept else 0
     for p in done["medium"]:
         print(f"removed  {p}")
     if done["device"]:
@@ -145,7 +145,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     n = sum(len(x["paths"]) for x in done["node_files"] if x["removed"])
     print(f"removed  {n} node-local file(s) of {done['uuid']}")
     _print_kept(kept)
-    return 1 if kept else 0
+    return 3 if kept else 0
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -357,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "this host's node-local files of every node. Refuses while a "
                                    "node's heartbeat moves (it watches for up to a lease). "
                                    "Node-local files a live process uses are kept even with "
-                                   "--force, and named; exit code 1 when any were kept. A "
-                                   "device region is left as it is.",
+                                   "--force, and named. A device region is left as it is. Exit "
+                                   "code 0 when all is gone; 1 when refused (nothing deleted) "
+                                   "or not a region; 2 on bad input; 3 when the region was "
+                                   "deleted but some node-local files were kept.",
                        epilog=SPEC_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     x.add_argument("spec", help="region spec, e.g. file:/dev/shm/rack0")
     x.add_argument("--force", action="store_true",

@@ -59,6 +59,7 @@ cdef class NodeLocal:
     cdef readonly str path
     cdef readonly bint fresh       # we created the file: no process of this node held anything
     cdef readonly bint closed      # its Region closed (the mapping stays while users remain)
+    cdef int user_fd               # holds the "in use" read lock on the file (see _use); -1
     cdef cxl_local_lock* locks     # CXL_MAX_LOCKS slots, CXL_LOCAL_LOCK_BYTES apart
     cdef cxl_local_heap* heap
     cdef uint64_t* counter         # heartbeat counter of the node (atomic add)

@@ -5,7 +5,9 @@ import contextlib
 import fcntl
 import glob
 import os
+import struct
 import tempfile
+import time
 
 cimport cython
 from libc.stdint cimport uint64_t
@@ -108,6 +110,9 @@ cdef class NodeLocal:
     sibling's attach.
     """
 
+    def __cinit__(self):
+        self.user_fd = -1
+
     def __init__(self, unsigned long long uuid, int node, on_open=None):
         self.path = local_path(uuid, node)
         with self.serialised():
@@ -121,8 +126,13 @@ cdef class NodeLocal:
             self.counter = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_COUNTER_OFF)
             self.inc = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_INC_OFF)
             self.procs = <cxl_local_proc*>(self.mapping.base + <size_t>CXL_LOCAL_PROCS_OFF)
+            self.user_fd = _use(self.path)
             if on_open is not None:
-                on_open(self)
+                try:
+                    on_open(self)
+                except BaseException:
+                    self.close()  # not attached: the file must not look in use for it
+                    raise
 
     @contextlib.contextmanager
     def serialised(self):
@@ -138,6 +148,10 @@ cdef class NodeLocal:
         sections when its Region closes lets go of the real mutex, not of a retired
         copy that would leave it owned for good."""
         self.closed = True
+        if self.user_fd >= 0 and self.user_fd in _users:
+            _users.discard(self.user_fd)
+            os.close(self.user_fd)
+        self.user_fd = -1
 
     @property
     def incarnation(self):
@@ -190,16 +204,73 @@ cdef class NodeLocal:
             self.procs[i].pid = 0
 
 
-def _lock_init(path):
+# An attached process holds a read lock on byte 0 of its node-local file, an
+# open-file-description lock, which the kernel drops when the process dies, whatever
+# its pid namespace. `cxlrt clean` asks for a write lock there: refused means a live
+# process uses the file, even one whose pid this host cannot look up.
+_OFD = "hhxxxxqqixxxx"  # struct flock: type, whence, start, len, pid
+_users = set()          # fds holding such locks: a forked child lets go of its copies
+
+
+def _forget_after_fork():
+    for fd in _users:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _users.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _use(path):
+    """An fd holding the read lock that says a live process uses the file at `path`."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_OFD, fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
+    except BaseException:
+        os.close(fd)
+        raise
+    _users.add(fd)
+    return fd
+
+
+def in_use(path):
+    """True while a live process (any pid namespace, this one included) has the node-local
+    file at `path` open as an attached node; False when none has; raises OSError when
+    the file cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
+                          struct.pack(_OFD, fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+    finally:
+        os.close(fd)
+    return struct.unpack(_OFD, got)[0] != fcntl.F_UNLCK
+
+
+def _lock_init(path, wait=None):
     """An fd holding the flock of `path`, the node's current one.
 
     `cxlrt delete` and `cxlrt clean` unlink the file while they hold its flock. A
     process that opened it before that and was waiting would otherwise lock a
-    name nobody else sees, and attach beside a sibling that locked the new file."""
+    name nobody else sees, and attach beside a sibling that locked the new file.
+    With `wait` (seconds), BlockingIOError when it stays held that long."""
+    deadline = None if wait is None else time.monotonic() + wait
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if deadline is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise
+                        time.sleep(0.01)
             held = os.fstat(fd)
             try:
                 now = os.stat(path)

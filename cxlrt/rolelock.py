@@ -44,10 +44,24 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def _fd(uuid: int, node: int) -> int:
     path = local_path(uuid, node) + ".roles"
     fd = _fds.get(path)
+    if fd is not None and not _same_file(fd, path):
+        # `cxlrt clean` removed it while this process held no role (it was not attached):
+        # the node's roles are in the file at the name now.
+        os.close(fd)
+        fd = None
     if fd is None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         _fds[path] = fd
     return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    held = os.fstat(fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _lock(fd: int, kind: int, key: int) -> None:

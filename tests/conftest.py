@@ -182,6 +182,32 @@ def region_dir(monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
+_SESSION_LOCAL_DIR = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_node_files_left_behind():
+    """A module's regions go with their node-local files (`cxlrt delete`, or a test's own
+    folder): left in the host's folder, they fill /dev/shm over the days a machine runs
+    tests. Those that no live process uses fail the module, and are removed."""
+    from cxlrt import cleanup, nodelocal
+    global _SESSION_LOCAL_DIR
+    if _SESSION_LOCAL_DIR is None:
+        _SESSION_LOCAL_DIR = nodelocal.local_dir()  # before any test moves it
+    d = _SESSION_LOCAL_DIR
+    before = set(cleanup.survey(d))
+    yield
+    left = [x for x in cleanup.clean(d, dry_run=True)
+            if (int(x.uuid, 16), x.node) not in before and not x.users]
+    for x in left:
+        cleanup.remove_node(int(x.uuid, 16), x.node, d)
+    if left:
+        pytest.fail(f"this module left node-local files in {d} that no live process uses: "
+                    + "; ".join(f"node {x.node} of {x.uuid} ({len(x.paths)} files)" for x in left)
+                    + ". Delete its regions with cxlrt.cleanup.delete (or open them under "
+                    "the region_dir fixture).", pytrace=False)
+
+
 def pytest_runtest_setup(item):
     # Negative controls switch a protocol off through test hooks, which exist only in
     # debug builds (CXLRT_DEBUG >= 1); .ci/run runs tests/algorithms on one as well.

@@ -35,9 +35,9 @@ time.sleep(120)
 """
 
 
-def _holder(spec: str, what: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, spec, what], stdout=subprocess.PIPE,
-                         text=True)
+def _holder(spec: str, what: str, wrap: tuple[str, ...] = ()) -> subprocess.Popen:
+    p = subprocess.Popen([*wrap, sys.executable, "-c", HOLDER, spec, what],
+                         stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -98,7 +98,10 @@ def test_delete_refuses_a_live_node_and_force_keeps_the_files_it_uses(backend):
         kept = [x for x in done["node_files"] if not x["removed"]]
         assert [x["node"] for x in kept] == [1]
         assert kept[0]["users"] == [f"attached by pid {p.pid}"]
-        assert _files(backend.root, uuid, 0) == [] and _files(backend.root, uuid, 1)
+        assert _files(backend.root, uuid, 0) == []
+        names = sorted(os.path.basename(f) for f in kept[0]["paths"])
+        assert names == _files(backend.root, uuid, 1)
+        assert any(f.endswith(".pins") for f in _files(backend.root, uuid, 1))
         # Stopped is not gone: only the kernel's word that it is dead frees its files.
         p.send_signal(signal.SIGSTOP)
         assert not [x for x in cleanup.clean(backend.root) if x.removed]
@@ -184,3 +187,121 @@ def test_the_cli_deletes_and_cleans(region_dir, capsys):
     assert f"removed  {region_dir}/r\n" in out and f"removed  4 node-local file(s) of {uuid}" in out
     assert cli.main(["delete", spec]) == 2  # gone: nothing to delete
     assert "no region at" in capsys.readouterr().err
+
+
+def test_delete_refuses_a_process_stopped_past_its_lease(region_dir):
+    """Its heartbeat says dead; its node-local files say it will come back and use them."""
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    p = _holder(spec, "attach")
+    try:
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(3 * LEASE)
+        with pytest.raises(RegionError, match=f"node 1's node-local files are attached by "
+                                              f"pid {p.pid}"):
+            cleanup.delete(spec)
+        assert os.path.exists(f"{region_dir}/r")
+    finally:
+        _stop(p)
+    assert cleanup.delete(spec)["medium"] == [f"{region_dir}/r"]
+
+
+def test_a_process_of_another_pid_namespace_counts_while_it_lives(region_dir):
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    wrap = ("unshare", "--pid", "--kill-child", "--mount-proc")
+    if subprocess.run([*wrap, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no new pid namespace here (unshare needs root)")
+    p = _holder(spec, "attach", wrap)
+    try:
+        done = {x.node: x for x in cleanup.clean(region_dir)}
+        assert done[0].removed and not done[1].removed
+        # Its host pid maps the file too, which this namespace can see; the record names
+        # the pid it has in its own.
+        assert done[1].users[0].startswith("attached by pid 1 of another pid namespace")
+    finally:
+        _stop(p)
+    # Its record stays, and its pid means nothing here: the kernel drops its lock when
+    # it dies (the namespace's init goes a moment after unshare, by its death signal).
+    assert nodelocal.recorded_procs(nodelocal.local_path(int(uuid, 16), 1))
+    deadline = time.monotonic() + 10
+    while True:
+        (x,) = cleanup.clean(region_dir)
+        if x.removed or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (x.node, x.removed, x.users) == (1, True, [])
+
+
+def test_clean_passes_over_a_node_whose_flock_stays_held(region_dir, monkeypatch):
+    monkeypatch.setattr(cleanup, "FLOCK_WAIT_S", 0.2)
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = int(cxlrt.inspect(spec)["uuid"], 16)
+    with cxlrt.open(spec, node=1):
+        pass
+    fd = nodelocal._lock_init(nodelocal.local_path(uuid, 1) + ".init")  # a stopped attach
+    try:
+        t0 = time.monotonic()
+        done = {x.node: x for x in cleanup.clean(region_dir)}
+        assert time.monotonic() - t0 < 5
+        assert done[0].removed and not done[1].removed
+        assert done[1].users[0].startswith("busy: a process of the node held its flock")
+    finally:
+        os.close(fd)
+    assert [x.removed for x in cleanup.clean(region_dir)] == [True]
+
+
+def test_a_role_taken_after_clean_removed_its_file_is_the_nodes_only_one(region_dir):
+    """This process held and gave back a role, closed, and cleaned: its cached descriptor
+    names the removed file, and a role taken on it would not exclude a sibling's."""
+    from cxlrt import rolelock
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    with cxlrt.open(spec, node=0) as r:
+        uuid = r.uuid
+        assert rolelock.hold(uuid, 0, 7)
+        rolelock.release(uuid, 0, 7)
+    assert [x.removed for x in cleanup.clean(region_dir)] == [True]
+    with cxlrt.open(spec, node=0):
+        assert rolelock.hold(uuid, 0, 7)
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys, cxlrt; from cxlrt import rolelock; "
+             "r = cxlrt.open(sys.argv[1], node=0); print(rolelock.hold(r.uuid, 0, 7))", spec],
+            capture_output=True, text=True, check=True)
+        assert other.stdout.strip() == "False"
+        rolelock.release(uuid, 0, 7)
+
+
+def test_delete_refuses_a_symbolic_link(region_dir):
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    os.symlink(f"{region_dir}/r", f"{region_dir}/link")
+    with pytest.raises(ValueError, match="symbolic link"):
+        cleanup.delete(f"file:{region_dir}/link")
+    assert os.path.exists(f"{region_dir}/r") and os.path.islink(f"{region_dir}/link")
+
+
+def test_clean_keeps_a_node_it_may_not_touch_and_goes_on(region_dir, monkeypatch, capsys):
+    """Another user's files (0600) on a shared /dev/shm: kept, named, and the rest cleaned."""
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=3, lease=LEASE)
+    uuid = int(cxlrt.inspect(spec)["uuid"], 16)
+    for n in (1, 2):
+        with cxlrt.open(spec, node=n):
+            pass
+    theirs = nodelocal.local_path(uuid, 1) + ".init"
+    lock = nodelocal._lock_init
+
+    def lock_init(path, wait=None):
+        if path == theirs:
+            raise PermissionError(13, "Permission denied", path)
+        return lock(path, wait)
+
+    monkeypatch.setattr(nodelocal, "_lock_init", lock_init)
+    assert cli.main(["clean", "--json", "--dir", region_dir]) == 0
+    done = {x["node"]: x for x in json.loads(capsys.readouterr().out)}
+    assert done[0]["removed"] and done[2]["removed"]  # before and after the one it can't
+    assert not done[1]["removed"] and "not writable by this user" in done[1]["users"][0]
+    assert _files(region_dir, f"{uuid:016x}", 1)

@@ -42,6 +42,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cxlrt.errors import CxlrtError
+
 MODES = ("nocache", "example", "cxlrt")
 LABELS = {"nocache": "(a) no connector", "example": "(b) ExampleConnector",
           "cxlrt": "(c) cxlrt"}
@@ -342,6 +344,19 @@ def _compare(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
             "equal": tokens and worst <= LOGPROB_TOL}
 
 
+def _forget(work: str) -> None:
+    """The work folder, and the engines' node-local files of the cxlrt mode's region
+    (in /dev/shm, not in the folder): its engines have exited."""
+    rack = os.path.join(work, "rack")
+    if os.path.exists(rack):
+        from cxlrt.cleanup import delete
+        try:
+            delete(f"file:{rack}", force=True)
+        except (OSError, ValueError, CxlrtError):
+            pass  # a run that failed before formatting it: nothing of it to forget
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def run(cfg: VllmDemoConfig, out: Any = print) -> dict[str, Any]:
     """Serve the workload every way in ``cfg.modes``; the report (see the module doc)."""
     if not vllm_available():
@@ -357,7 +372,7 @@ def run(cfg: VllmDemoConfig, out: Any = print) -> dict[str, Any]:
             out(f"{LABELS[m]}: starting a prefill and a decode engine ...")
             modes[m] = _run_mode(m, cfg, model, work, out)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        _forget(work)
     ref = modes["nocache"]
     for m, r in modes.items():
         r.update(_compare(r, ref) if m != "nocache" else

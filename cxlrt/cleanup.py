@@ -89,7 +89,7 @@ def _users(local: str, paths: list[str]) -> list[str]:
     except PermissionError:
         return [f"not readable by this user (uid {os.geteuid()}): clean as its owner"]
     ours = pid_namespace()
-    why, seen = [], set()
+    why, named = [], set()  # named: pids of our namespace already given as attached
     for pid, start, pidns in recorded:
         if pidns != ours:
             # No pid of another namespace can be looked up from here; the read lock
@@ -98,14 +98,31 @@ def _users(local: str, paths: list[str]) -> list[str]:
                 why.append(f"attached by pid {pid} of another pid namespace ({pidns})")
         elif pid == os.getpid():
             why.append(f"attached by this process (pid {pid}): close its Region first")
+            named.add(pid)
         elif process_alive(pid, start, pidns):
             why.append(f"attached by pid {pid}")
-        seen.add(pid)
+            named.add(pid)
     if held and not why:
         why.append("held open by an attached process this host cannot name")
     why += [f"mapped by pid {pid} ({os.path.basename(p)})"
-            for pid, p in sorted(_mappers(paths).items()) if pid not in seen]
+            for pid, p in sorted(_mappers(paths).items()) if pid not in named]
     return why
+
+
+def _strangers(paths: list[str]) -> list[str]:
+    """Why a node's files are not ours to remove: another user owns one ([] if none)."""
+    if os.geteuid() == 0:
+        return []  # root may remove any (and the owner's processes are still looked for)
+    out = set()
+    for p in paths:
+        try:
+            uid = os.lstat(p).st_uid
+        except FileNotFoundError:
+            continue
+        if uid != os.geteuid():
+            out.add(uid)
+    return [f"owned by uid {u}, not by this user (uid {os.geteuid()}): clean as its owner"
+            for u in sorted(out)]
 
 
 FLOCK_WAIT_S = 2.0  # an attach holds the node's flock for milliseconds, unless it waits
@@ -121,6 +138,9 @@ def remove_node(uuid: int, node: int, directory: str | None = None, *,
     out = NodeFiles(f"{uuid:016x}", node, nodelocal.node_files(uuid, node, d))
     if not out.paths:
         return out
+    out.users = _strangers(out.paths)
+    if out.users:
+        return out  # before we lock: a flock file of ours would lock its owner out
     if dry_run:
         out.users = _users(local, out.paths)
         return out
@@ -137,18 +157,21 @@ def remove_node(uuid: int, node: int, directory: str | None = None, *,
         return out
     try:
         out.paths = nodelocal.node_files(uuid, node, d)
-        out.users = _users(local, out.paths)
-        if out.users:
-            if not had_init:
-                _unlink(init)  # we made it only to lock it; a waiter retries
-                out.paths = [p for p in out.paths if p != init]
-            return out
-        for p in out.paths:
-            if p != init:
-                _unlink(p)
-        _unlink(init)  # under its own flock: a waiter finds the name gone and retries
-        out.removed = True
+        out.users = _users(local, out.paths) or _strangers(out.paths)
+        if not out.users:
+            try:
+                for p in out.paths:
+                    if p != init:
+                        _unlink(p)
+            except PermissionError as e:
+                out.users = [f"not removable by this user (uid {os.geteuid()}): {e}"]
+            else:
+                _unlink(init)  # under its own flock: a waiter finds the name gone, retries
+                out.removed = True
     finally:
+        if not out.removed and not had_init:
+            _unlink(init)  # we made it only to lock it; a waiter retries
+            out.paths = [p for p in out.paths if p != init]
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     return out

@@ -280,6 +280,7 @@ cdef class Liveness:
         cdef int rc = cxl_thread_start(&self._thread, _beat_main, &self.V)
         if rc != 0:
             self._thread = 0
+            self.close()  # not joined after all: its record and read lock go back
             raise OSError(-rc, "cannot start the heartbeat thread")
 
     cdef cxl_live* ctx(self) noexcept:

@@ -844,8 +844,15 @@ PARAMS = _side.PARAMS
 
 
 def sidecars(str path):
-    """Files beside the region file that belong to it (`cxlrt delete` removes them)."""
-    return [path + ".chm"]
+    """Files beside the region file that belong to it (`cxlrt delete` removes them): the
+    sidecar, if the file at its name is one (a region may be named so too)."""
+    side = path + ".chm"
+    try:
+        with open(side, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return []
+    return [side] if int.from_bytes(head, "little") == _side.MAGIC else []
 
 _devices = weakref.WeakSet()
 

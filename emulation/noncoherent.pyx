@@ -607,5 +607,12 @@ PARAMS = _sidecar.PARAMS
 
 
 def sidecars(str path):
-    """Files beside the region file that belong to it (`cxlrt delete` removes them)."""
-    return [path + ".emu"]
+    """Files beside the region file that belong to it (`cxlrt delete` removes them): the
+    sidecar, if the file at its name is one (a region may be named so too)."""
+    side = path + ".emu"
+    try:
+        with open(side, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return []
+    return [side] if int.from_bytes(head, "little") == _sidecar.MAGIC else []

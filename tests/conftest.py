@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 
@@ -182,23 +183,35 @@ def region_dir(monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
-_SESSION_LOCAL_DIR = None
+def pytest_configure(config):
+    # The session's node-local files go to a folder of its own (its subprocesses
+    # inherit it): no other cxlrt process of the host is blamed by the guard below, and
+    # the folder goes at the end. A folder the user chose is kept.
+    if not os.environ.get("CXLRT_LOCAL_DIR"):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        config.cxlrt_local_dir = tempfile.mkdtemp(prefix="cxlrt-test-local-", dir=base)
+        os.environ["CXLRT_LOCAL_DIR"] = config.cxlrt_local_dir
+
+
+def pytest_unconfigure(config):
+    d = getattr(config, "cxlrt_local_dir", None)
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop("CXLRT_LOCAL_DIR", None)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_node_files_left_behind():
     """A module's regions go with their node-local files (`cxlrt delete`, or a test's own
-    folder): left in the host's folder, they fill /dev/shm over the days a machine runs
-    tests. Those that no live process uses fail the module, and are removed."""
+    folder): code that leaves them behind fills a user's /dev/shm over the days. Those
+    that no live process uses fail the module, and are removed."""
     from cxlrt import cleanup, nodelocal
-    global _SESSION_LOCAL_DIR
-    if _SESSION_LOCAL_DIR is None:
-        _SESSION_LOCAL_DIR = nodelocal.local_dir()  # before any test moves it
-    d = _SESSION_LOCAL_DIR
+    d = nodelocal.local_dir()  # the session's (tests that move it restore it)
     before = set(cleanup.survey(d))
     yield
-    left = [x for x in cleanup.clean(d, dry_run=True)
-            if (int(x.uuid, 16), x.node) not in before and not x.users]
+    new = sorted(set(cleanup.survey(d)) - before)
+    left = [x for x in (cleanup.remove_node(u, n, d, dry_run=True) for u, n in new)
+            if not x.users]
     for x in left:
         cleanup.remove_node(int(x.uuid, 16), x.node, d)
     if left:

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -129,6 +130,18 @@ def test_clean_keeps_the_files_a_process_still_maps_after_closing_its_region(reg
     assert (x.node, x.removed) == (1, True) and _files(region_dir, uuid) == []
 
 
+def _until_blocked_on(path: str) -> None:
+    """Wait until some thread waits for the flock of `path` (the kernel lists it)."""
+    ino = os.stat(path).st_ino
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open("/proc/locks") as f:
+            if any("->" in line and f":{ino} " in line for line in f):
+                return
+        time.sleep(0.01)
+    raise AssertionError("nobody came to wait for the flock")
+
+
 def test_an_attach_waiting_on_a_removed_flock_file_locks_the_new_one(region_dir):
     """Remove the node's flock file while holding it, as clean does; a process waiting on
     the old one must not attach beside the one that locked the new one."""
@@ -143,7 +156,7 @@ def test_an_attach_waiting_on_a_removed_flock_file_locks_the_new_one(region_dir)
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.2)
+    _until_blocked_on(path)
     os.unlink(path)
     new = nodelocal._lock_init(path)  # a sibling that came later: it made the new file
     fcntl.flock(old, fcntl.LOCK_UN)
@@ -305,3 +318,41 @@ def test_clean_keeps_a_node_it_may_not_touch_and_goes_on(region_dir, monkeypatch
     assert done[0]["removed"] and done[2]["removed"]  # before and after the one it can't
     assert not done[1]["removed"] and "not writable by this user" in done[1]["users"][0]
     assert _files(region_dir, f"{uuid:016x}", 1)
+
+
+def test_a_stale_record_of_another_namespace_does_not_hide_a_live_mapper(region_dir):
+    """A record of another pid namespace may carry the pid a process of ours has here."""
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    p = _holder(spec, "close")
+    try:
+        with open(nodelocal.local_path(int(uuid, 16), 1), "r+b") as f:
+            f.seek(128)  # the process table's first record: pid, start, pid namespace
+            f.write(struct.pack("<QQQQ", p.pid, 12345, 4026599999, 0))
+        done = {x.node: x for x in cleanup.clean(region_dir)}
+        assert not done[1].removed
+        assert f"mapped by pid {p.pid} (cxlrt-{uuid}-node1.local)" in done[1].users
+    finally:
+        _stop(p)
+
+
+def test_delete_leaves_a_region_that_only_has_a_sidecars_name(region_dir):
+    cxlrt.format(f"file:{region_dir}/rack.emu", size="4M", nodes=2, lease=LEASE)
+    cxlrt.format(f"file:{region_dir}/rack", size="4M", nodes=2, lease=LEASE)
+    assert cleanup.delete(f"file:{region_dir}/rack")["medium"] == [f"{region_dir}/rack"]
+    assert cxlrt.inspect(f"file:{region_dir}/rack.emu")["nodes"] == 2
+
+
+def test_clean_leaves_another_users_node_untouched(region_dir, monkeypatch):
+    """Not root, and the files are another user's: nothing is locked, made or removed."""
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    uuid = cxlrt.inspect(spec)["uuid"]
+    os.unlink(nodelocal.local_path(int(uuid, 16), 0) + ".init")
+    before = _files(region_dir, uuid)
+    monkeypatch.setattr(cleanup.os, "geteuid", lambda: 4242)  # the files are uid 0's
+    (x,) = cleanup.clean(region_dir)
+    assert not x.removed and x.users == [
+        "owned by uid 0, not by this user (uid 4242): clean as its owner"]
+    assert _files(region_dir, uuid) == before  # and no flock file of ours among them

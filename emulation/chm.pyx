@@ -55,6 +55,7 @@ import os
 import weakref
 
 from cxlrt.emulation import chmside as _side
+from cxlrt.emulation.sidecar import if_sidecar
 
 LOCK_TIMEOUT_S = 30.0
 """A device lock not had in this long is reported as an I/O error (a stopped holder)."""
@@ -846,13 +847,7 @@ PARAMS = _side.PARAMS
 def sidecars(str path):
     """Files beside the region file that belong to it (`cxlrt delete` removes them): the
     sidecar, if the file at its name is one (a region may be named so too)."""
-    side = path + ".chm"
-    try:
-        with open(side, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return []
-    return [side] if int.from_bytes(head, "little") == _side.MAGIC else []
+    return if_sidecar(path + ".chm", _side.MAGIC)
 
 _devices = weakref.WeakSet()
 

@@ -28,6 +28,7 @@ from cxlrt.mapping cimport Mapping
 from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_UNSUPPORTED
 
 from cxlrt.emulation import sidecar as _sidecar
+from cxlrt.emulation.sidecar import if_sidecar
 
 
 # --- per-set lock -------------------------------------------------------------
@@ -609,10 +610,4 @@ PARAMS = _sidecar.PARAMS
 def sidecars(str path):
     """Files beside the region file that belong to it (`cxlrt delete` removes them): the
     sidecar, if the file at its name is one (a region may be named so too)."""
-    side = path + ".emu"
-    try:
-        with open(side, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return []
-    return [side] if int.from_bytes(head, "little") == _sidecar.MAGIC else []
+    return if_sidecar(path + ".emu", _sidecar.MAGIC)

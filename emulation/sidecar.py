@@ -109,6 +109,16 @@ def read_head(path: str, n: int) -> tuple[bytes, int] | None:
     return (raw, size) if len(raw) == n else None
 
 
+def if_sidecar(path: str, magic: int) -> list[str]:
+    """[path] when the file there starts with a sidecar's `magic`, else [] (missing, or
+    something else of that name: a region may be called rack.emu)."""
+    try:
+        head = read_head(path, 8)
+    except OSError:
+        return []
+    return [path] if head is not None and int.from_bytes(head[0], "little") == magic else []
+
+
 def _read_header(path: str):
     head = read_head(path, HEADER.size)
     if head is None:

@@ -156,6 +156,8 @@ def remove_node(uuid: int, node: int, directory: str | None = None, *,
                      "(attaching, detaching, or stopped there)"]
         return out
     try:
+        if not had_init and os.geteuid() == 0:
+            _give_to_owner(fd, out.paths)
         out.paths = nodelocal.node_files(uuid, node, d)
         out.users = _users(local, out.paths) or _strangers(out.paths)
         if not out.users:
@@ -175,6 +177,18 @@ def remove_node(uuid: int, node: int, directory: str | None = None, *,
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     return out
+
+
+def _give_to_owner(fd: int, paths: list[str]) -> None:
+    """Root made the node's flock file: its owner's next attach must still open it."""
+    for p in paths:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != 0:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        return
 
 
 def _unlink(path: str) -> None:
@@ -240,7 +254,8 @@ def delete(spec: str, *, force: bool = False, window: float | None = None,
                         for n in heartbeats(region, look) if n["state"] in ("alive", "silent")]
         for n in range(info["nodes"]):
             x = remove_node(uuid, n, dry_run=True)
-            busy += [f"node {n}'s node-local files are {u}" for u in x.users]
+            if not _strangers(x.paths):  # another user's are kept, and named, not waited for
+                busy += [f"node {n}'s node-local files are {u}" for u in x.users]
         if busy:
             raise RegionError(f"{s}: not deleted: {'; '.join(busy)}. Close those processes "
                               "first, or pass --force (force=True) to delete it under them.")

@@ -373,8 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(default /dev/shm): its robust mutexes, KV pin tables and "
                                    "channel roles. They outlive the region's file when it is "
                                    "removed by hand. Remove every node's files that no live "
-                                   "process records or maps; what a host reboot would lose, "
-                                   "and nothing the region cannot rebuild.")
+                                   "process uses (attached, in any pid namespace, or still "
+                                   "mapping them); what a host reboot would lose, and nothing "
+                                   "the region cannot rebuild. Another user's files, and a "
+                                   "node whose flock stays held, are named and passed over.")
     k.add_argument("--dir", help="the folder to clean (default: $CXLRT_LOCAL_DIR, else /dev/shm)")
     k.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     k.add_argument("--json", action="store_true", help="print every node's files as JSON")

@@ -280,8 +280,12 @@ cdef class Liveness:
         cdef int rc = cxl_thread_start(&self._thread, _beat_main, &self.V)
         if rc != 0:
             self._thread = 0
-            self.close()  # not joined after all: its record and read lock go back
-            raise OSError(-rc, "cannot start the heartbeat thread")
+            err = OSError(-rc, "cannot start the heartbeat thread")
+            try:
+                self.close()  # not joined after all: its record and read lock go back
+            except Exception as e:
+                err.add_note(f"and leaving the node failed too: {e!r}")
+            raise err
 
     cdef cxl_live* ctx(self) noexcept:
         return &self.V

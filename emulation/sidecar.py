@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import struct
 import tempfile
 
@@ -113,6 +114,8 @@ def if_sidecar(path: str, magic: int) -> list[str]:
     """[path] when the file there starts with a sidecar's `magic`, else [] (missing, or
     something else of that name: a region may be called rack.emu)."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return []  # not even a file (opening a FIFO would wait for a writer)
         head = read_head(path, 8)
     except OSError:
         return []

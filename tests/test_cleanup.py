@@ -350,9 +350,14 @@ def test_clean_leaves_another_users_node_untouched(region_dir, monkeypatch):
     cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
     uuid = cxlrt.inspect(spec)["uuid"]
     os.unlink(nodelocal.local_path(int(uuid, 16), 0) + ".init")
-    before = _files(region_dir, uuid)
-    monkeypatch.setattr(cleanup.os, "geteuid", lambda: 4242)  # the files are uid 0's
+    before, me = _files(region_dir, uuid), os.geteuid()
+    monkeypatch.setattr(cleanup.os, "geteuid", lambda: 4242)  # the files are `me`'s
     (x,) = cleanup.clean(region_dir)
     assert not x.removed and x.users == [
-        "owned by uid 0, not by this user (uid 4242): clean as its owner"]
+        f"owned by uid {me}, not by this user (uid 4242): clean as its owner"]
     assert _files(region_dir, uuid) == before  # and no flock file of ours among them
+    # delete takes the region and leaves the node's files, named (exit code 3)
+    done = cleanup.delete(spec)
+    assert done["medium"] == [f"{region_dir}/r"]
+    assert [x["removed"] for x in done["node_files"]] == [False, False]
+    assert _files(region_dir, uuid) == before

@@ -37,7 +37,7 @@ def test_non_dax_media_are_refused(path, msg):
 @pytest.mark.hardware
 @pytest.mark.skipif(not DEVICES, reason="no /dev/dax* on this host; the QEMU CXL lab "
                                         "(issue 5) provides one")
-def test_devdax_device_round_trip():
+def test_devdax_device_round_trip(region_dir):  # region_dir: its node-local files go there
     path = DEVICES[0]
     mode, size, align = dax.describe(path)
     assert mode == "devdax" and size % align == 0

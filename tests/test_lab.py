@@ -63,6 +63,11 @@ def _guest_pytest(env, args):
 
 
 def _run(cmd, timeout=900, env=None):
+    # run.sh stops its guests after $LAB_TIMEOUT, 300 s unless told: give them the bound
+    # this call waits for, less a margin for QEMU's start and exit. At 300 s a guest's
+    # suite was cut off on a host whose cores are slower than those it was timed on.
+    env = dict(os.environ if env is None else env)
+    env.setdefault("LAB_TIMEOUT", str(timeout - 30))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     tail = "\n".join((p.stdout + p.stderr).splitlines()[-25:])
     assert p.returncode == 0, f"lab run failed (exit {p.returncode}):\n{tail}"

@@ -20,7 +20,9 @@ echo $! > "/tmp/cxlrt-serve-$name.pid"
 i=0
 until grep -q "listening" "/tmp/cxlrt-serve-$name.log" 2>/dev/null; do
     i=$((i + 1))
-    if [ $i -gt 300 ] || ! kill -0 "$(cat /tmp/cxlrt-serve-$name.pid)" 2>/dev/null; then
+    # 120 s: a TCG guest on a slow host took over 30 s to start a server on the CPU-less
+    # node (a dead server ends the wait at once).
+    if [ $i -gt 1200 ] || ! kill -0 "$(cat /tmp/cxlrt-serve-$name.pid)" 2>/dev/null; then
         echo "rdma-serve.sh: the server did not start:" >&2
         cat "/tmp/cxlrt-serve-$name.log" >&2
         exit 1

@@ -237,6 +237,8 @@ def delete(spec: str, *, force: bool = False, window: float | None = None,
 
     s, _cls, _params, fs = api._resolve(spec)
     device = api._is_device(s.scheme, fs)
+    if not device and not os.path.lexists(fs):
+        raise FileNotFoundError(f"{s}: no file at {fs}: nothing to delete")
     if not device and os.path.islink(fs):
         raise ValueError(f"{s}: {fs} is a symbolic link to {os.path.realpath(fs)}; name the "
                          "region's file itself")

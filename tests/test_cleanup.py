@@ -199,7 +199,7 @@ def test_the_cli_deletes_and_cleans(region_dir, capsys):
     out = capsys.readouterr().out
     assert f"removed  {region_dir}/r\n" in out and f"removed  4 node-local file(s) of {uuid}" in out
     assert cli.main(["delete", spec]) == 2  # gone: nothing to delete
-    assert "no region at" in capsys.readouterr().err
+    assert "nothing to delete" in capsys.readouterr().err
 
 
 def test_delete_refuses_a_process_stopped_past_its_lease(region_dir):

@@ -200,6 +200,30 @@ def pytest_unconfigure(config):
         os.environ.pop("CXLRT_LOCAL_DIR", None)
 
 
+def _is_lab(item):
+    return item.get_closest_marker("lab") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # The lab's guests run in the background while the rest of the suite runs
+    # (tests/labqueue.py), so their tests, which wait for them, go last.
+    lab = [i for i in items if _is_lab(i)]
+    if lab and len(lab) < len(items):
+        items[:] = [i for i in items if not _is_lab(i)] + lab
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    jobs = [i.module.JOBS[i.name] for i in session.items
+            if _is_lab(i) and getattr(i.module, "READY", False) and i.name in i.module.JOBS]
+    if jobs:
+        from . import labqueue
+        labqueue.start(jobs)
+        session.config.add_cleanup(labqueue.stop)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_node_files_left_behind():
     """A module's regions go with their node-local files (`cxlrt delete`, or a test's own

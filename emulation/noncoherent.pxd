@@ -24,6 +24,14 @@ cdef enum:
     EMU_RECENT = 64         # recently dirtied lines, the eviction fault's victims
 
 
+# Access kinds that EmuBackend.fail_access can fail.
+cdef enum:
+    EMU_F_LOAD = 1
+    EMU_F_STORE = 2
+    EMU_F_FLUSH = 4
+    EMU_F_FENCE = 8
+    EMU_F_DMA = 16
+
 cdef enum:
     EMU_V_NONE = 0
     EMU_V_DIRTY_TWO = 1     # a line dirty in two nodes at once
@@ -47,6 +55,7 @@ ctypedef struct emu_stats:
     uint64_t delayed       # flushes deferred to the next fence
     uint64_t violations    # checker errors raised
     uint64_t recovered     # set locks taken over from a dead holder
+    uint64_t injected      # accesses failed on purpose (EmuBackend.fail_access)
 
 
 ctypedef struct emu_ctx:
@@ -76,6 +85,10 @@ ctypedef struct emu_ctx:
     uint64_t v_off
     int v_other
     emu_stats st              # this process's counters
+    uint64_t fail_in          # armed: the fail_in-th access of fail_kinds fails (0: off)
+    uint32_t fail_kinds       # EMU_F_* bits
+    uint32_t fail_tid         # only this thread's accesses count (not a beat thread's)
+    bint fail_effect          # the failed access takes effect first (a lost reply)
 
 
 cdef class EmuBackend(Backend):

@@ -8,7 +8,8 @@ node's copy until it is written back, always as a whole line. Faults are
 injected from a seed: spontaneous write-back of recently dirtied lines
 (``evict``), flushes whose write-back waits for the next fence (``delay``),
 and the latency and bandwidth of a modelled device (``lat``, ``bw``). The
-checker (``check=1``) turns protocol violations into ``CoherenceError``.
+checker (``check=1``) turns protocol violations into ``CoherenceError``. A test
+can also make one access fail (``EmuBackend.fail_access``), as a medium does.
 """
 
 cimport cython
@@ -19,13 +20,14 @@ from libc.string cimport memcmp, memcpy
 from cxlrt.backend cimport (CXL_CAP_DMA_REGISTRABLE, CXL_CAP_MAPPABLE, CXL_CAP_SHARED_HOSTS,
                             CXL_OPS_ABI, cxl_ops)
 from cxlrt.includes.intrin cimport (cxl_atomic_load_relaxed64, cxl_atomic_store_relaxed64,
-                                    cxl_copy_out, cxl_fence_full, cxl_spin_ns, likely, unlikely)
+                                    cxl_copy_out, cxl_fence_full, cxl_spin_ns, cxl_thread_id,
+                                    likely, unlikely)
 from cxlrt.includes.mutex cimport (cxl_mutex_init_shared, cxl_mutex_lock, cxl_mutex_unlock,
                                    pthread_mutex_t)
 from cxlrt.includes.thread cimport cxl_atomic_store_seqcst_fence64
 from cxlrt.layout cimport CXL_LINE_SIZE, cxl_line_of, cxl_line_pos, cxl_line_start
 from cxlrt.mapping cimport Mapping
-from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_UNSUPPORTED
+from cxlrt.status cimport CXLRT_E_COHERENCE, CXLRT_E_IO, CXLRT_E_UNSUPPORTED
 
 from cxlrt.emulation import sidecar as _sidecar
 from cxlrt.emulation.sidecar import if_sidecar
@@ -212,6 +214,20 @@ cdef inline int _walk_line(emu_ctx* c, uint64_t off, uint64_t end, uint64_t* lin
     return w
 
 
+# --- injected access failures (EmuBackend.fail_access) ---------------------------
+
+cdef int _fails(emu_ctx* c, uint32_t kind) noexcept nogil:
+    """0: go on; 1: fail this access before it does anything; 2: after it is done
+    (a write whose completion was lost: it happened, the caller is told it failed)."""
+    if not (c.fail_kinds & kind) or cxl_thread_id() != c.fail_tid:
+        return 0
+    c.fail_in -= 1
+    if c.fail_in:
+        return 0
+    c.st.injected += 1
+    return 2 if c.fail_effect else 1
+
+
 cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
     """Copy n bytes out of this node's cached lines, filling misses."""
     cdef emu_ctx* c = <emu_ctx*>ctx
@@ -219,6 +235,9 @@ cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
     cdef int w
     cdef bint hit, hit_clean
     cdef char* out = <char*>dst
+    cdef int failing = _fails(c, EMU_F_LOAD) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
     c.st.loads += 1
     while off < end:
         w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
@@ -233,7 +252,7 @@ cdef int emu_load(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil
         out += b - a
         off = cxl_line_start(line) + b
     _maybe_evict(c)
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcept nogil:
@@ -243,6 +262,9 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
     cdef int w, other
     cdef bint hit
     cdef const char* inp = <const char*>src
+    cdef int failing = _fails(c, EMU_F_STORE) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
     c.st.stores += 1
     while off < end:
         w = _walk_line(c, off, end, &line, &a, &b, &s, &hit)
@@ -278,7 +300,7 @@ cdef int emu_store(void* ctx, uint64_t off, const void* src, uint64_t n) noexcep
         inp += b - a
         off = cxl_line_start(line) + b
     _maybe_evict(c)
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int emu_load64(void* ctx, uint64_t off, uint64_t* out) noexcept nogil:
@@ -328,25 +350,32 @@ cdef int emu_flush(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflush: every line of the range is written back (if dirty) and dropped now."""
     cdef emu_ctx* c = <emu_ctx*>ctx
     cdef uint64_t line = cxl_line_of(off), last
+    cdef int failing = _fails(c, EMU_F_FLUSH) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
     if n == 0:
-        return 0
+        return CXLRT_E_IO if failing else 0
     last = _last_line(off, n)
     while line <= last:
         _flush_line(c, line)
         line += 1
     # Orders the write-backs before this thread's next access, as clflush + mfence.
     cxl_fence_full()
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
     """clflushopt: with `delay`, the write-back waits for the next fence."""
     cdef emu_ctx* c = <emu_ctx*>ctx
     cdef uint64_t line = cxl_line_of(off), last
+    cdef int failing
     if not c.delay:
         return emu_flush(ctx, off, n)
+    failing = _fails(c, EMU_F_FLUSH) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
     if n == 0:
-        return 0
+        return CXLRT_E_IO if failing else 0
     last = _last_line(off, n)
     cxl_mutex_lock(&c.pending_lock)
     while line <= last:
@@ -357,14 +386,18 @@ cdef int emu_flush_nodrain(void* ctx, uint64_t off, uint64_t n) noexcept nogil:
         c.st.delayed += 1
         line += 1
     cxl_mutex_unlock(&c.pending_lock)
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int emu_fence(void* ctx) noexcept nogil:
     """Drain delayed flushes, then a full CPU fence between processes."""
-    _drain(<emu_ctx*>ctx)
+    cdef emu_ctx* c = <emu_ctx*>ctx
+    cdef int failing = _fails(c, EMU_F_FENCE) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
+    _drain(c)
     cxl_fence_full()
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int _dma_over_dirty(emu_ctx* c, uint64_t off, uint64_t n, int kind) noexcept nogil:
@@ -385,8 +418,11 @@ cdef int _dma(emu_ctx* c, void* dst, const void* src, uint64_t off, uint64_t n,
     cache: 0 (nothing done when n is 0), or the checker's `kind` violation when some
     node holds one of the lines dirty. Then the modelled device time."""
     cdef int rc
+    cdef int failing = _fails(c, EMU_F_DMA) if unlikely(c.fail_in) else 0
+    if failing == 1:
+        return CXLRT_E_IO
     if n == 0:
-        return 0
+        return CXLRT_E_IO if failing else 0
     if unlikely(c.check):
         rc = _dma_over_dirty(c, off, n, kind)
         if rc != 0:
@@ -396,7 +432,7 @@ cdef int _dma(emu_ctx* c, void* dst, const void* src, uint64_t off, uint64_t n,
     else:
         memcpy(dst, src, n)
     _dma_delay(c, n)
-    return 0
+    return CXLRT_E_IO if failing else 0
 
 
 cdef int emu_dma_read(void* ctx, uint64_t off, void* dst, uint64_t n) noexcept nogil:
@@ -475,6 +511,8 @@ _VIOLATIONS = {
 }
 
 _instances = {}
+_FAIL_KINDS = {"load": EMU_F_LOAD, "store": EMU_F_STORE, "flush": EMU_F_FLUSH,
+               "fence": EMU_F_FENCE, "dma": EMU_F_DMA}
 
 
 @cython.no_gc_clear  # a beat thread may still use the mapping: the GC must not drop it first
@@ -594,7 +632,34 @@ cdef class EmuBackend(Backend):
         return {"loads": s.loads, "stores": s.stores, "misses": s.misses,
                 "writebacks": s.writebacks, "capacity_writebacks": s.capacity_wb,
                 "evictions": s.evictions, "delayed_flushes": s.delayed,
-                "violations": s.violations, "recovered_locks": s.recovered}
+                "violations": s.violations, "recovered_locks": s.recovered,
+                "injected_failures": s.injected}
+
+    def fail_access(self, unsigned long long after=0, kinds=("store", "flush", "fence"),
+                    bint effect=False):
+        """Make one access of the calling thread fail with CXLRT_E_IO, as a medium can
+        (an RDMA completion error, a poisoned line): the one after `after` more
+        accesses of `kinds` ("load", "store", "flush", "fence", "dma"; a word of a
+        gather or scatter counts as one). With `effect` the access is done first and
+        only its answer is lost. Other threads (a beat thread) are never failed.
+        Disarmed once it has fired, or by fail_access(kinds=())."""
+        cdef uint32_t bits = 0
+        for k in kinds:
+            try:
+                bits |= _FAIL_KINDS[k]
+            except KeyError:
+                raise ValueError(f"fail_access: no access kind {k!r}; the kinds are "
+                                 + ", ".join(_FAIL_KINDS)) from None
+        self.c.fail_in = 0  # disarmed while the rest changes
+        self.c.fail_kinds = bits
+        self.c.fail_tid = cxl_thread_id()
+        self.c.fail_effect = effect
+        if bits:
+            self.c.fail_in = after + 1
+
+    def fail_pending(self):
+        """Whether an armed failure has not fired yet."""
+        return self.c.fail_in != 0
 
     def last_violation(self):
         """The last checker violation as a dict, or None."""

@@ -26,7 +26,6 @@ from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromS
 from cpython.object cimport PyObject
 from cpython.sequence cimport (PySequence_Fast, PySequence_Fast_GET_SIZE,
                                PySequence_Fast_ITEMS)
-from libc.errno cimport EBUSY
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -285,9 +284,10 @@ cdef class KVCache:
     # the cache goes stay in this process's pin-table record, which its next attach
     # of the cache, or the node's other processes once it exits, give back.
 
-    cdef int _try_unpin(self, const uint64_t* slots, uint64_t n) noexcept nogil:
-        """_unpin if the pin mutex is free this instant; -EBUSY (nothing done) if not."""
+    cdef int _try_unpin(self, const uint64_t* slots, uint64_t n, bint* held) noexcept nogil:
+        """_unpin if the pin mutex is free this instant: -EBUSY if not (see _unpin)."""
         cdef int rc = self._pt.try_enter()
+        held[0] = rc != 0
         if rc != 0:
             return rc
         rc = self._pt.add_locked(slots, n, -1)
@@ -307,6 +307,7 @@ cdef class KVCache:
     cdef int _reap(self) except -1:
         cdef bytes b
         cdef int rc
+        cdef bint held = False
         cdef const uint64_t* slots
         cdef uint64_t n
         if self._orphans_pid != cxl_pid():
@@ -318,8 +319,10 @@ cdef class KVCache:
             slots = <const uint64_t*>PyBytes_AS_STRING(b)
             n = <uint64_t>PyBytes_GET_SIZE(b) // sizeof(uint64_t)
             with nogil:
-                rc = self._unpin(slots, n, NULL)
-            if rc != 0:  # not put back: a retry could lower pins a later hit holds
+                rc = self._unpin(slots, n, NULL, &held)
+            if rc != 0:
+                if held:  # nothing given back: the next call tries again
+                    self._orphans.append(b)
                 self._raise(rc, "release")
         return 0
 
@@ -347,16 +350,18 @@ cdef class KVCache:
         hit._fill(keys)
         hit.cache = self
         hit.owner_pid = pid
-        cdef uint64_t n = hit.n, m = 0
+        cdef uint64_t n = hit.n, m = 0, stuck = 0
         cdef uint64_t st[KV_ST_WORDS]
         cdef int rc
         self._take_pending(st)  # rides on the pin pass, if there is one
         self.region._busy += 1  # Region.close() refuses while we run without the GIL
         try:
             with nogil:
-                rc = self._lookup(hit, st, &m)
+                rc = self._lookup(hit, st, &m, &stuck)
         finally:
             self.region._busy -= 1
+        if stuck:
+            self._orphan(hit.slots + m, stuck)  # the cache's next call gives them back
         hit.n = m
         if rc != 0 or m == 0:
             self._add_pending(st)  # no pin pass published them
@@ -399,16 +404,19 @@ cdef class KVCache:
         keep[0] = m
         return 0
 
-    cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out) noexcept nogil:
+    cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out,
+                     uint64_t* stuck) noexcept nogil:
         """Probe the keys, pin the leading ready run in one pass of the pin mutex
         (with the pending counters `st`), then observe each pinned entry's state
-        word once more; `out` gets how many stay pinned.
+        word once more; `out` gets how many stay pinned, `stuck` how many after them
+        it pinned but could not give back (the mutex could not be taken again).
         Budget for a hit of n blocks: n probes (one line each), one mutex pass and
         one fence, n 8-byte observes; a miss of the first key takes no mutex."""
         cdef kv_entry e
         cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w, h
         cdef int rc = 0, found
         out[0] = 0
+        stuck[0] = 0
         if (self.r.flags & CXL_F_DIRECT) and (self.r.flags & CXL_F_NOFLUSH):
             # Every home line first, so their misses overlap (not where _read flushes
             # the line before it loads it: the prefetch would be thrown away).
@@ -462,24 +470,31 @@ cdef class KVCache:
             rc = self._pins_held(hit.slots, hit.gens, m, &keep)  # one gather a batch (a request over rdma:)
         if rc != 0:
             keep = 0
-        if keep < m and self._pt.enter() == 0:
-            self._pt.add_locked(hit.slots + keep, m - keep, -1)
-            self._pt.leave()
+        if keep < m:
+            if self._pt.enter() == 0:
+                self._pt.add_locked(hit.slots + keep, m - keep, -1)  # comes off, whatever rc
+                self._pt.leave()
+            else:
+                stuck[0] = m - keep
         out[0] = keep
         return rc
 
-    cdef int _unpin(self, const uint64_t* slots, uint64_t n, const uint64_t* st) noexcept nogil:
+    cdef int _unpin(self, const uint64_t* slots, uint64_t n, const uint64_t* st,
+                    bint* held) noexcept nogil:
         """Give back our pins on `slots`, publishing the pending counters `st`
-        (NULL: none) in the same pass of the pin mutex."""
-        cdef int rc = self._pt.enter()
+        (NULL: none) in the same pass of the pin mutex. Once the mutex is ours the
+        pins come off whatever the medium does (our record is the truth; an error
+        leaves the words for the next taker to rebuild). *held: the mutex could not be
+        taken, so nothing was given back and the caller still owes these pins."""
+        cdef int rc = self._pt.enter(), rc2
+        held[0] = rc != 0
         if rc != 0:
             return rc
         if st != NULL:
             rc = self._stat_add(st)  # flushed here, drained by add_locked's fence
-        if rc == 0:
-            rc = self._pt.add_locked(slots, n, -1)
+        rc2 = self._pt.add_locked(slots, n, -1)
         self._pt.leave()
-        return rc
+        return rc if rc != 0 else rc2
 
     # --- process-local counters ------------------------------------------------------------
     # Lookups and loads count into _pend (GIL held) instead of taking the pin mutex
@@ -1022,13 +1037,14 @@ cdef class KVCache:
         # waiting (a __dealloc__ never waits for a lock). A cache the garbage
         # collector cleared has no region to follow.
         cdef bytes b
+        cdef bint held = False
         if (not self._orphans or self._closed or self._orphans_pid != cxl_pid()
                 or self._pt is None or self.region is None or self.region.backend is None
                 or self.r.closed):
             return
         for b in self._orphans:
             self._try_unpin(<const uint64_t*>PyBytes_AS_STRING(b),
-                            <uint64_t>PyBytes_GET_SIZE(b) // sizeof(uint64_t))
+                            <uint64_t>PyBytes_GET_SIZE(b) // sizeof(uint64_t), &held)
 
     def __enter__(self):
         return self
@@ -1134,6 +1150,7 @@ cdef class Hit:
     def release(self):
         """Unpin the blocks (idempotent), after releasing any staged copies of them."""
         cdef int rc = 0
+        cdef bint held = False
         cdef uint64_t st[KV_ST_WORDS]
         self._drop_staged()
         mine = self._mine()
@@ -1141,9 +1158,11 @@ cdef class Hit:
         if mine:
             self.cache._take_pending(st)  # the lookup's own counters go with the unpin
             with nogil:
-                rc = self.cache._unpin(self.slots, self.n, st)
+                rc = self.cache._unpin(self.slots, self.n, st, &held)
             if rc != 0:
-                self.cache._add_pending(st)
+                if held:  # nothing given back: the cache's next call tries again
+                    self.cache._add_pending(st)
+                    self.cache._orphan(self.slots, self.n)
                 self.cache._raise(rc, "release")
 
     def __enter__(self):
@@ -1155,9 +1174,12 @@ cdef class Hit:
     def __dealloc__(self):
         # Never waits for a lock (see KVCache._try_unpin); an error is dropped, as
         # release() would have raised it to nobody.
+        cdef bint held = False
         self._drop_staged()
-        if self._mine() and self.cache._try_unpin(self.slots, self.n) == -EBUSY:
-            self.cache._orphan(self.slots, self.n)
+        if self._mine():
+            self.cache._try_unpin(self.slots, self.n, &held)
+            if held:
+                self.cache._orphan(self.slots, self.n)
         free(self.slots)
 
     def __repr__(self):

@@ -167,9 +167,12 @@ cdef class PinTable:
                 cxl_prefetch_w(self.r.base + self.at(self.node, slots[i]))
 
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil:
-        """Add `delta` to our node's pin on each slot, in the region and in our
-        record, and publish (pin mutex held). `done` tells how many slots took it:
-        all of them, or on CXLRT_E_KVPINS those before the saturated one."""
+        """Add `delta` (+1 or -1) to our node's pin on each slot, in the region and in
+        our record, and publish (pin mutex held). `done` tells how many slots took it:
+        all of them, or on CXLRT_E_KVPINS those before the saturated one. Whatever the
+        medium does, our record ends exact: pins go on all or nothing (an error takes
+        back those that went on), and always come off. Where a write failed, the mutex
+        is marked, and the next taker writes the words from the records."""
         # An LRU hint compared with entries' store stamps (fine clock): a coarse clock
         # lags by up to a tick (4 ms), and a block pinned just after a store then
         # looks older than it, so eviction takes the wrong one.
@@ -180,6 +183,8 @@ cdef class PinTable:
         if self._rec < 0 or self._rec_pid != cxl_pid():
             return CXLRT_E_KVNOREC
         mine = self._record(self._rec)
+        if delta < 0:
+            return self._lower(slots, n, mine, stamp)
         if self.r.flags & CXL_F_DIRECT:
             rc = self._add_each(slots, n, delta, mine, stamp, &i)
         else:
@@ -198,41 +203,73 @@ cdef class PinTable:
         if rc == CXLRT_E_KVPINS:
             # A block this node already pins 65535 times: the pins before it hold,
             # and the caller ends its hit there (done says where).
-            if cxl_fence(self.r) != 0:
-                self._unsound()
-                self.done = 0  # unknown state: the caller fails the lookup
-                return -1
-            return rc
+            rc = cxl_fence(self.r)
+            if rc == 0:
+                return CXLRT_E_KVPINS
+            i = self.done
         if rc != 0:
-            # A failed read changed nothing, but a failed write may have landed in
-            # part: the next taker rebuilds, whatever the rollback manages.
+            # A failed read changed nothing, but a failed write may have landed, and a
+            # failed fence leaves the words unpublished: the next taker rebuilds.
             self._unsound()
-            if delta > 0 and i > 0:
-                self.add_locked(slots, i, -1)  # all or nothing
+            if i > 0:
+                self._lower(slots, i, mine, stamp)  # all or nothing: the caller fails
             self.done = 0
             return rc
         rc = cxl_fence(self.r)
+        if rc != 0:
+            self._unsound()
+            self._lower(slots, n, mine, stamp)
+            self.done = 0
+        return rc
+
+    cdef int _lower(self, const uint64_t* slots, uint64_t n, uint16_t* mine,
+                    uint64_t stamp) noexcept nogil:
+        """add_locked(-1): PIN_BATCH slots at a time, our record first, then the
+        region's words of the slots it lowered; after an error only the record, and
+        the mutex is marked. A process killed between the two leaves the region one
+        too many (a pin that stays until the next taker rebuilds), never one too few
+        (that would take another process's pin with it). Slots whose count in our
+        record is 0 are not ours to give back (a Hit of another process)."""
+        cdef uint64_t take[PIN_BATCH]
+        cdef uint64_t i = 0, j, m, k, did = 0
+        cdef int rc = 0
+        while i < n:
+            m = n - i if n - i < PIN_BATCH else PIN_BATCH
+            k = 0
+            for j in range(i, i + m):
+                CXL_ASSERT(slots[j] < self.slots, b"a pin on a slot the cache does not have")
+                if mine[slots[j]] != 0:
+                    mine[slots[j]] -= 1
+                    take[k] = slots[j]
+                    k += 1
+            if rc == 0 and k:
+                if (self.r.flags & CXL_F_DIRECT) or kv_repeats(take, k):
+                    rc = self._add_each(take, k, -1, NULL, stamp, &did)
+                else:
+                    rc = self._add_batch(take, k, -1, NULL, stamp, &did)
+            i += m
+        if rc == 0:
+            rc = cxl_fence(self.r)
+        self.done = n
         if rc != 0:
             self._unsound()
         return rc
 
     cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
                        uint64_t stamp, uint64_t* did) noexcept nogil:
-        """add_locked's pass a word at a time; *did: slots done (all, unless rc != 0)."""
+        """add_locked's pass a word at a time; *did: slots done (all, unless rc != 0).
+        A raise changes `mine` after each word; a lowering comes from _lower, which
+        changed the record first (mine is NULL)."""
         cdef uint64_t i = 0, w, at, cnt
         cdef int rc = 0
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
-            if delta < 0 and mine[slots[i]] == 0:
-                continue  # not ours to give back (a Hit of another process)
             at = self.at(self.node, slots[i])
             rc = cxl_load64(self.r, at, &w)
             if rc != 0:
                 break  # nothing changed for this slot
-            if delta < 0:
-                mine[slots[i]] -= 1  # before the region's word is stored
-                if unlikely(_armed[0]):
-                    cxl_crash_hit(b"kv.unpin.lowered")
+            if delta < 0 and unlikely(_armed[0]):
+                cxl_crash_hit(b"kv.unpin.lowered")  # our record lowered, the word not yet
             cnt = w & KV_PIN_MAX
             if delta > 0:
                 if cnt == KV_PIN_MAX or mine[slots[i]] == KV_PIN_MAX:
@@ -260,9 +297,9 @@ cdef class PinTable:
         region's count is raised before our record and lowered after it: a process
         killed in between leaves the region one too many (a pin that stays), never one
         too few (the sweep then gives back what the record holds: a count the region
-        no longer had would take another process's pin with it). The record changes
-        only once the gather has worked: a read that failed changed nothing, and the
-        record keeps the pins for the sweep to give back."""
+        no longer had would take another process's pin with it). A raise changes the
+        record only once the scatter has worked; a lowering comes from _lower, which
+        changed it first (mine is NULL)."""
         cdef uint64_t offs[PIN_BATCH]
         cdef uint64_t w[PIN_BATCH]
         cdef uint32_t pick[PIN_BATCH]  # which slot each word is
@@ -270,20 +307,15 @@ cdef class PinTable:
         cdef int rc = 0, wrc
         for i in range(n):
             CXL_ASSERT(slots[i] < self.slots, b"a pin on a slot the cache does not have")
-            if delta < 0 and mine[slots[i]] == 0:
-                continue  # not ours to give back (a Hit of another process)
             pick[m] = <uint32_t>i
             offs[m] = self.at(self.node, slots[i])
             m += 1
         rc = cxl_gather64(self.r, <uint32_t>m, offs, w)
         if rc != 0:
             did[0] = 0
-            return rc  # nothing changed: the record still holds what it gave back
-        if delta < 0:
-            for i in range(m):
-                mine[slots[pick[i]]] -= 1  # before the region's words are stored
-            if m and unlikely(_armed[0]):
-                cxl_crash_hit(b"kv.unpin.lowered")
+            return rc  # nothing changed in the region
+        if delta < 0 and m and unlikely(_armed[0]):
+            cxl_crash_hit(b"kv.unpin.lowered")  # our record lowered, the words not yet
         k = 0  # words to write: all m, or those before a saturated one
         while k < m:
             cnt = w[k] & KV_PIN_MAX

@@ -67,6 +67,7 @@ cdef enum:
     PEEK_EVERY = 256          # heap-mutex sections between two looks at our own queue
     RELEASE_HINTS = 32        # chunks a drain may find emptied and give back
     AWAIT_SLICE_NS = 200000   # polling period while we wait for our own first beat after a stall
+    CLEAR_TRIES = 3           # writes of a freed run whose medium failed (_clear_run)
 
 # Crash points (cxlrt.crash): one load and one predictable branch when unarmed.
 cdef int* _armed = cxl_crash_armed_ptr()
@@ -911,6 +912,25 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     return rc
 
 
+cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n) noexcept nogil:
+    """Give the run of n chunks at k back to the table (allocator lock held, its
+    lines observed). The head first: a process killed part-way leaves orphan tails
+    (a leak that check reports), never a short run. A node whose unpublished lines
+    are written back in any order can leave either; as before. The stores are
+    idempotent, so where the medium fails one the whole run is written again: once
+    the head is gone no later free can reach the tails."""
+    cdef int rc = 1, tries = 0
+    while rc != 0 and tries < CLEAR_TRIES:
+        tries += 1
+        rc = _table_set(A, k, 0)
+        cxl_fence_release()
+        if rc == 0:
+            rc = _table_fill(A, k + 1, n - 1, 0)
+        if rc == 0:
+            rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
+    return rc
+
+
 cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexcept nogil:
     """A run of whole chunks, first fit, under the allocator lock."""
     cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, t0 = 0
@@ -923,14 +943,19 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
         CXL_ASSERT(k + n <= A.nchunks, b"a free run past the end of the table")
     if rc == 0:
         rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
-    if rc == 0:
-        rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
-    if rc == 0:
-        rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
-    if rc == 0:
-        rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
-        if rc == 0 and unlikely(_armed[0]):
-            cxl_crash_hit(b"alloc.large")
+        if rc == 0:
+            rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
+            if rc == 0:
+                rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
+            if rc == 0:
+                rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
+                if rc == 0 and unlikely(_armed[0]):
+                    cxl_crash_hit(b"alloc.large")
+            if rc != 0 and _fence(A, t0) == 0:
+                # The medium failed part-way (a write may have landed): the caller gets
+                # no object, so the run goes back now rather than stay a leak for
+                # `cxlrt check --repair`. If this fails too, it is that leak.
+                _clear_run(A, k, n)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
@@ -968,16 +993,8 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
             rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
         if rc == 0:
             rc = _fence(A, t0)
-        if rc == 0:  # the head first: a process killed part-way leaves orphan tails
-            # (a leak that check reports), never a short run. A node whose unpublished
-            # lines are written back in any order can leave either; as before.
-            rc = _table_set(A, k, 0)
-            cxl_fence_release()
         if rc == 0:
-            rc = _table_fill(A, k + 1, n - 1, 0)
-        if rc == 0:
-            rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k),
-                                               n * sizeof(uint64_t)))
+            rc = _published(A, t0, _clear_run(A, k, n))
         _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         return rc

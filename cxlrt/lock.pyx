@@ -53,6 +53,9 @@ cdef int* _armed = cxl_crash_armed_ptr()
 # closing (the holder may be another process of the node, which our close cannot wake).
 cdef uint64_t LOCAL_SLICE_NS = 20_000_000
 
+# Tries of a bakery release whose medium access failed (cxl_lock_release).
+cdef int RELEASE_TRIES = 3
+
 
 # A manager-mode waiter gives up once no manager has made a pass for this long, or two
 # leases if longer (a standby takes a stalled manager over after one lease).
@@ -183,7 +186,14 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     if unlikely(cxl_live_fenced(L.live)):
         rc = CXLRT_E_FENCED
     elif mode == CXL_LOCK_BAKERY:
+        # Leaving is two idempotent stores to our own line: where the medium fails
+        # one, say again. A ticket left behind would hold every other node back for
+        # as long as our node lives.
         rc = cxl_bakery_release(L, id)
+        for _ in range(RELEASE_TRIES - 1):
+            if rc == 0 or rc == CXLRT_E_FENCED:
+                break
+            rc = cxl_bakery_release(L, id)
     else:
         rc = cxl_mgr_release(L, id)
     s.global_held = 0

@@ -173,6 +173,25 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
+def keep():
+    """keep(region) -> region, closed at teardown even when the test fails (a region
+    left to the garbage collector with its heartbeat thread running can crash the
+    interpreter)."""
+    opened = []
+
+    def _keep(r):
+        opened.append(r)
+        return r
+
+    yield _keep
+    for r in reversed(opened):
+        try:
+            r.close()
+        except Exception:  # noqa: BLE001  (teardown: the test already reported)
+            pass
+
+
+@pytest.fixture
 def region_dir(monkeypatch):
     """A private tmpfs folder for tests that build their own specs."""
     root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",

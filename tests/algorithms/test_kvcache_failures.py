@@ -28,25 +28,6 @@ BIG = 32 << 20     # a block whose copy is long enough to be stopped in the midd
 
 # --- helpers ---------------------------------------------------------------------------
 
-@pytest.fixture
-def keep():
-    """keep(region) -> region, closed at teardown even when the test fails (a region
-    left to the garbage collector with its heartbeat thread running can crash the
-    interpreter)."""
-    opened = []
-
-    def _keep(r):
-        opened.append(r)
-        return r
-
-    yield _keep
-    for r in reversed(opened):
-        try:
-            r.close()
-        except Exception:  # noqa: BLE001  (teardown: the test already reported)
-            pass
-
-
 def _spawn(fn, *args):
     """Start fn(*args, q) in a forked process; returns (process, its result queue)."""
     q = _CTX.Queue()

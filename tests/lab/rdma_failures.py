@@ -275,8 +275,10 @@ def reconnect_cases(server, spec, spec1):
     import threading
 
     # An outage inside the lease: the holder's hold survives, its accesses wait and go
-    # on, and its release lands (the next node takes the lock at once).
-    x = cxlrt.open(spec1, node=1)
+    # on, and its release lands (the next node takes the lock at once). The window is
+    # longer than the default 10 s: the restarted server is a Python process in a TCG
+    # guest whose host may be busy (the window running out is its own case below).
+    x = cxlrt.open(spec1 + "?reconnect=60", node=1)
     lk = x.lock("resume")
     lk.acquire()
     off = x.alloc(1 << 16)

@@ -912,15 +912,19 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     return rc
 
 
-cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n) noexcept nogil:
-    """Give the run of n chunks at k back to the table (allocator lock held, its
-    lines observed). The head first: a process killed part-way leaves orphan tails
-    (a leak that check reports), never a short run. A node whose unpublished lines
-    are written back in any order can leave either; as before. The stores are
-    idempotent, so where the medium fails one the whole run is written again: once
-    the head is gone no later free can reach the tails."""
+cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0) noexcept nogil:
+    """Give the run of n chunks at k back to the table (allocator lock held since t0,
+    fence checked, its lines observed). The head first: a process killed part-way
+    leaves orphan tails (a leak that check reports), never a short run. A node whose
+    unpublished lines are written back in any order can leave either; as before. The
+    stores are idempotent, so where the medium fails one the whole run is written
+    again (once the head is gone no later free can reach the tails), but only while
+    the lock is still ours: a failing access can outlast the lease, and then the run
+    may be another node's."""
     cdef int rc = 1, tries = 0
     while rc != 0 and tries < CLEAR_TRIES:
+        if tries and _fence(A, t0) != 0:
+            return CXLRT_E_FENCED
         tries += 1
         rc = _table_set(A, k, 0)
         cxl_fence_release()
@@ -955,7 +959,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
                 # The medium failed part-way (a write may have landed): the caller gets
                 # no object, so the run goes back now rather than stay a leak for
                 # `cxlrt check --repair`. If this fails too, it is that leak.
-                _clear_run(A, k, n)
+                _clear_run(A, k, n, t0)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
@@ -994,7 +998,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:
             rc = _fence(A, t0)
         if rc == 0:
-            rc = _published(A, t0, _clear_run(A, k, n))
+            rc = _published(A, t0, _clear_run(A, k, n, t0))
         _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         return rc

@@ -188,10 +188,14 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
     elif mode == CXL_LOCK_BAKERY:
         # Leaving is two idempotent stores to our own line: where the medium fails
         # one, say again. A ticket left behind would hold every other node back for
-        # as long as our node lives.
+        # as long as our node lives. Not once another life has our node: the line
+        # is its now (a failing access can outlast the lease).
         rc = cxl_bakery_release(L, id)
         for _ in range(RELEASE_TRIES - 1):
-            if rc == 0 or rc == CXLRT_E_FENCED:
+            if rc == 0:
+                break
+            if cxl_live_fenced(L.live):
+                rc = CXLRT_E_FENCED
                 break
             rc = cxl_bakery_release(L, id)
     else:

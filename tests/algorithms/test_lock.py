@@ -414,8 +414,10 @@ def _manager_then_wait(spec, ready, go):
 
 def test_a_waiter_gives_up_on_a_stopped_manager_but_not_on_a_running_one(backend):
     """A running manager's passes keep a long wait going; once its process is stopped
-    (and nobody takes over), the waiter raises after manager_wait."""
-    r = backend.create(nodes=3, lease=0.1)
+    (and nobody takes over), the waiter raises after manager_wait. The lease is long
+    enough for the live holder's beats: at 0.1 s a heartbeat 100 ms late on a busy
+    2-vCPU host made the manager revoke its grant, and the waiter got the lock."""
+    r = backend.create(nodes=3, lease=0.5)
     lock = r.lock("m", mode="manager")
     ready, go = _CTX.Event(), _CTX.Event()
     mgr = _CTX.Process(target=_manager_then_wait, args=(backend.spec(), ready, go))

@@ -73,6 +73,8 @@ def check(spec: str) -> dict[str, Any]:
         for name, off in directory:
             if off >= region.heap[0] and not heapscan.in_live_chunk(s, off):
                 problems.append(f"directory {name!r} -> {off:#x} points into free heap")
+        from cxlrt.kvinspect import audit
+        problems += audit(region, region.sections["directory"][0])
         dead = [n["node"] for n in nodes if n["dead"]]
         for n in dead:
             problems.append(f"node {n} is dead: its heartbeat counter stood still for a "

@@ -17,7 +17,7 @@ from libc.string cimport memcmp, memcpy
 from cpython.bytes cimport PyBytes_AS_STRING
 
 from cxlrt.includes.intrin cimport cxl_fnv1a64, cxl_wall_ns
-from cxlrt.kvcache cimport KV_HEADER, kv_claim, kv_entry, kv_stats
+from cxlrt.kvcache cimport KV_HEADER, KV_REC_CLAIM, kv_claim, kv_entry, kv_stats
 from cxlrt.kvindex cimport kv_index
 from cxlrt.layout cimport kv_geometry, kv_header, kv_layout
 from cxlrt.region cimport Region
@@ -38,6 +38,7 @@ cdef uint64_t KV_SUMMED = <char*>&_kh.layout.checksum - <char*>&_kh
 DIR_PREFIX = "kv/"         # directory names of KV caches
 FORMAT_MAGIC = MAGIC       # kv_geometry.magic of a complete cache object
 FORMAT_VERSION = VERSION   # the on-media format this build reads and writes
+REC_CLAIM = KV_REC_CLAIM   # the kind of a claim line (kv_claim.tag's low byte)
 
 
 def header_checksum(head):

@@ -11,8 +11,8 @@ from cxlrt.kvcache cimport (KV_EMPTY, KV_EVICTING, KV_PAYLOAD_HDR, KV_REC_DEFERR
                             KV_REC_TAKE, KV_TOMBSTONE, kv_claim, kv_entry)
 from cxlrt.layout cimport CXL_LINE_SIZE, kv_counters
 from cxlrt.liveness cimport cxl_live_silent_since
-from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
-                           CXLRT_E_KVCORRUPT)
+from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED, CXLRT_E_IO,
+                           CXLRT_E_KVCORRUPT, CXLRT_E_SUSPECT)
 
 cdef int* _armed = cxl_crash_armed_ptr()
 
@@ -206,7 +206,13 @@ cdef int kv_free_payload(kv_index* K, uint64_t off) noexcept nogil:
     rc = cxl_free(K.A, off)
     if rc == 0 or rc == CXLRT_E_BADFREE or rc == CXLRT_E_DOUBLEFREE:
         return 0  # given back, or not a live object (already free): nothing to do
-    # e.g. the owner's remote-free queue is full: retry later
+    if rc == CXLRT_E_IO or rc == CXLRT_E_SUSPECT:
+        # The free may have happened (a write that landed but whose answer was lost,
+        # a publish after our silence): the payload may be another block's by the time
+        # a retry ran, and the retry would free it under that block. It leaks instead
+        # (`cxlrt check` reports it), as after a crash here.
+        return rc
+    # a free that wrote nothing (the allocator lock timed out, or fenced us): retry later
     rc = kv_rec_alloc(K, &i)
     if rc != 0 or i < 0:
         return rc  # no line to remember it in: this payload leaks (a full table)

@@ -23,7 +23,7 @@ cdef class Writer:
 
     cdef int _raise(self, int rc, str what) except -1
     cdef uint64_t alloc_payload(self) except? 0
-    cdef object reserve(self, list ks, Py_ssize_t j)
+    cdef object reserve(self, list ks, Py_ssize_t j, list reserved)
     cdef int copy_jobs(self, kv_job* jobs, uint64_t n) noexcept nogil
     cdef int tick(self, kv_job* jobs, uint64_t n, uint64_t prog) noexcept nogil
     cdef uint64_t absent(self, list ks, Py_ssize_t j) except? 0

@@ -69,13 +69,12 @@ cdef class Writer:
         try:
             self.claims.settle()
             for j in range(len(ks)):
-                got = self.reserve(ks, j)
+                got = self.reserve(ks, j, reserved)
                 if got is None:
                     skipped += 1
                     continue
                 if got is False:
                     break  # no room even after eviction: store what we have
-                reserved.append(got + (j,))
         except BaseException:
             self.release_quietly()
             self.abandon(reserved, ks)  # nothing half-reserved stays behind
@@ -93,7 +92,15 @@ cdef class Writer:
             done = True
         finally:
             if reserved:
-                published, lost = self.publish(reserved, ks, done)
+                try:
+                    published, lost = self.publish(reserved, ks, done)
+                except BaseException:
+                    # A failed write left the rest of our claims as being written, which
+                    # every store (this caller's retry too) skips until they are taken
+                    # over, a lease or more from now: bury them now if the medium lets
+                    # us (the entries published before the failure stay).
+                    self.abandon(reserved, ks)
+                    raise
         return published, lost, skipped, len(reserved)
 
     cdef uint64_t alloc_payload(self) except? 0:
@@ -193,13 +200,15 @@ cdef class Writer:
         for s, gen, off, j in reserved:
             self.region.dma_write(off + KV_PROGRESS, v)
 
-    cdef object reserve(self, list ks, Py_ssize_t j):
-        """Claim a slot and a payload for `ks[j]` (cache lock held). A full cache
+    cdef object reserve(self, list ks, Py_ssize_t j, list reserved):
+        """Claim a slot and a payload for `ks[j]` (cache lock held), appending
+        (slot, gen, off, j) to `reserved` as soon as a write of ours may name the
+        payload (then only the claim's own protocol frees it). A full cache
         evicts for every key of ks[j:] still absent at once: one table scan per store
         rather than one per capacity/16 keys, and never room for keys it would skip.
 
-        (slot, gen, off) claimed; None when the key is present or being written;
-        False when there is no room even after evicting.
+        True when claimed; None when the key is present or being written; False
+        when there is no room even after evicting.
         """
         cdef kv_entry e
         cdef kv_claim c, old
@@ -282,12 +291,18 @@ cdef class Writer:
         e.owner = self.claims.id_owner
         e.stamp_ns = cxl_wall_ns()
         CXL_ASSERT(kv_payload_ok(self.K, &e), b"reserved payload outside the heap or misaligned")
+        # From the claim line's first store on, the payload is the claim's: a write that
+        # failed may still have landed (in our node's view, or on the medium with only
+        # its answer lost), so freeing it here would free it a second time once the
+        # entry is buried or the claim line found orphaned. The caller's abandon()
+        # buries the entry if it is there; a claim line alone is the orphan that the
+        # next reserve of this slot frees, as after a crash here.
+        reserved.append((s, gen, off, j))
         with nogil:
             rc = kv_put(self.K, kv_claim_at(self.K, s), &c)
             if rc == 0:
                 rc = kv_write(self.K, s, &e)
         if rc != 0:
-            self.region.free(off)
             self._raise(rc, "store")
         if unlikely(_armed[0]):
             cxl_crash_hit(b"kv.store.writing")
@@ -296,7 +311,7 @@ cdef class Writer:
         self.claims.io(rc, "store")
         if orphan:  # our claim line replaced it first: a crash now leaks it, never frees twice
             self.claims.free_payload(old.off)
-        return (s, gen, off)
+        return True
 
     def copy(self, list reserved, list ks, list srcs):
         """DMA each reserved payload (no lock held): the headers, then the blocks in

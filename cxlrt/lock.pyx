@@ -172,6 +172,10 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     return 0
 
 
+cdef inline int _leave(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
+    return cxl_bakery_release(L, id) if mode == CXL_LOCK_BAKERY else cxl_mgr_release(L, id)
+
+
 cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
     """Leave the global tier (published), then the node-local mutex.
 
@@ -185,21 +189,20 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
         cxl_crash_hit(b"lock.release.before")
     if unlikely(cxl_live_fenced(L.live)):
         rc = CXLRT_E_FENCED
-    elif mode == CXL_LOCK_BAKERY:
-        # Leaving is two idempotent stores to our own line: where the medium fails
-        # one, say again. A ticket left behind would hold every other node back for
-        # as long as our node lives. Not once another life has our node: the line
-        # is its now (a failing access can outlast the lease).
-        rc = cxl_bakery_release(L, id)
+    else:
+        # Leaving is idempotent stores to our own line (a ticket and `choosing`, or
+        # rel_seq): where the medium fails one, say again. A ticket or a request left
+        # behind would hold every other node back for as long as our node lives. Not
+        # once another life has our node: the line is its now (a failing access can
+        # outlast the lease).
+        rc = _leave(L, id, mode)
         for _ in range(RELEASE_TRIES - 1):
             if rc == 0:
                 break
             if cxl_live_fenced(L.live):
                 rc = CXLRT_E_FENCED
                 break
-            rc = cxl_bakery_release(L, id)
-    else:
-        rc = cxl_mgr_release(L, id)
+            rc = _leave(L, id, mode)
     s.global_held = 0
     s.holder_pid = 0
     s.holder_tid = 0

@@ -17,7 +17,7 @@ from cxlrt.includes.thread cimport cxl_sleep_ns
 from cxlrt.layout cimport (CXL_LINE_SIZE, cxl_claim_epoch, cxl_ln_accepted, cxl_ln_acq, cxl_ln_rel,
                            cxl_ln_req, cxl_lock_node_line, cxl_mgr_area_off, cxl_mgr_beat,
                            cxl_mgr_claim)
-from cxlrt.liveness cimport cxl_node_gone
+from cxlrt.liveness cimport cxl_live_fenced, cxl_node_gone
 from cxlrt.lockctx cimport (CXL_DEAD_CHECK_NS, cxl_lock_grant, cxl_lock_line,
                             cxl_lock_slot, cxl_lockctx, cxl_node_dead)
 from cxlrt.status cimport (CXLRT_E_CLOSED, CXLRT_E_COHERENCE, CXLRT_E_FENCED, CXLRT_E_NOMANAGER,
@@ -31,6 +31,7 @@ cdef uint64_t GRANT_EPOCH_MASK = 0xFFFF
 cdef uint64_t ACCEPT_MASK = (<uint64_t>1 << 56) - 1
 
 cdef int* _armed = cxl_crash_armed_ptr()
+cdef int WITHDRAW_TRIES = 3
 
 
 cdef inline uint64_t _grant_word(uint64_t node, uint64_t epoch, uint64_t seq) noexcept nogil:
@@ -108,6 +109,9 @@ cdef int cxl_mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
     if rc == 0:
         rc = cxl_persist(r, me, CXL_LINE_SIZE)
     if rc != 0:
+        # The request may have landed (in our view, to be written back later, or on
+        # the medium with its answer lost): the manager would grant it to nobody.
+        _withdraw(L, id)
         return rc
     if unlikely(_armed[0]):
         cxl_crash_hit(b"lock.mgr.request")
@@ -149,8 +153,18 @@ cdef int cxl_mgr_acquire(cxl_lockctx* L, uint32_t id, uint64_t deadline) noexcep
                 break
         _grant_backoff(&spins)
     # Withdraw: releasing the request also releases a grant that raced the timeout.
-    cxl_mgr_withdraw(L, id)
+    _withdraw(L, id)
     return rc
+
+
+cdef void _withdraw(cxl_lockctx* L, uint32_t id) noexcept nogil:
+    """cxl_mgr_withdraw, said again where the medium fails (its stores are idempotent):
+    a request left on our line is granted to nobody and holds every other node back
+    for as long as our node lives. Not once another life has our node (its line)."""
+    cdef int tries
+    for tries in range(WITHDRAW_TRIES):
+        if cxl_live_fenced(L.live) or cxl_mgr_withdraw(L, id) == 0:
+            return
 
 
 cdef int cxl_mgr_release(cxl_lockctx* L, uint32_t id) noexcept nogil:

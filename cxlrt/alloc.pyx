@@ -68,6 +68,7 @@ cdef enum:
     RELEASE_HINTS = 32        # chunks a drain may find emptied and give back
     AWAIT_SLICE_NS = 200000   # polling period while we wait for our own first beat after a stall
     CLEAR_TRIES = 3           # writes of a freed run whose medium failed (_clear_run)
+    CARVE_TRIES = 3           # writes of a fresh chunk's header whose medium failed (_carve)
 
 # Crash points (cxlrt.crash): one load and one predictable branch when unarmed.
 cdef int* _armed = cxl_crash_armed_ptr()
@@ -330,9 +331,15 @@ cdef inline int _published(cxl_allocctx* A, uint64_t t0, int rc) noexcept nogil:
     return rc
 
 
+cdef inline uint64_t _magic(uint32_t c) noexcept nogil:
+    """The magic word of a formatted class-c chunk: magic, then size_class."""
+    return (<uint64_t>CLASS_SIZE[c] << 32) | CXL_SMALL_MAGIC
+
+
 cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     """Take a free chunk for class c: table word under the lock, then header + bitmap."""
-    cdef uint64_t k = 0, base, i, t0 = 0, hdr_bitmap
+    cdef uint64_t k = 0, t0 = 0
+    cdef int tries
     cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
@@ -347,9 +354,28 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc != 0:
         return rc
-    base = _chunk_off(A, k)
-    # The chunk is ours now: drop any copy of its lines we kept from an earlier
-    # life, zero its bitmap and write the header, magic last.
+    # The chunk is ours and no slot of it was handed out, so where the medium fails a
+    # write of its header, the whole header is written again (until another life has
+    # our node). One that still fails stays ours without its magic: no alloc takes a
+    # slot from it (_scan_own), and `cxlrt check --repair` gives it back.
+    rc = _format(A, k, c)
+    for tries in range(CARVE_TRIES - 1):
+        if rc == 0:
+            break
+        if cxl_live_fenced(A.L.live):
+            rc = CXLRT_E_FENCED
+            break
+        rc = _format(A, k, c)
+    chunk[0] = k
+    return rc
+
+
+cdef int _format(cxl_allocctx* A, uint64_t k, uint32_t c) noexcept nogil:
+    """Write the header and bitmap of our fresh class-c chunk k, magic last."""
+    cdef uint64_t base = _chunk_off(A, k), i, hdr_bitmap
+    cdef int rc
+    # Drop any copy of its lines we kept from an earlier life, zero its bitmap and
+    # write the header, magic last.
     hdr_bitmap = sizeof(cxl_small_header) + cxl_small_bitmap_bytes(CLASS_SLOTS[c])
     rc = cxl_flush(A.r, base, hdr_bitmap)
     if rc != 0:
@@ -366,11 +392,9 @@ cdef int _carve(cxl_allocctx* A, uint32_t c, uint64_t* chunk) noexcept nogil:
         rc = cxl_persist(A.r, base, hdr_bitmap)
     if rc == 0:
         # magic, then size_class
-        rc = cxl_store64(A.r, cxl_small_magic_off(base),
-                         (<uint64_t>CLASS_SIZE[c] << 32) | CXL_SMALL_MAGIC)
+        rc = cxl_store64(A.r, cxl_small_magic_off(base), _magic(c))
     if rc == 0:
         rc = cxl_persist(A.r, cxl_small_magic_off(base), sizeof(uint64_t))
-    chunk[0] = k
     return rc
 
 
@@ -831,7 +855,7 @@ cdef int cxl_drain(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
 
 cdef int _scan_own(cxl_allocctx* A, uint32_t c, uint64_t skip, uint64_t* found) noexcept nogil:
     """Another chunk of ours for class c with a free slot: 0 and *found, or 1."""
-    cdef uint64_t k, w = 0, live = 0
+    cdef uint64_t k, w = 0, live = 0, m = 0
     cdef int rc
     for k in range(A.nchunks):
         if k == skip:
@@ -840,6 +864,11 @@ cdef int _scan_own(cxl_allocctx* A, uint32_t c, uint64_t skip, uint64_t* found) 
         if rc != 0:
             return rc
         if w == _word(CXL_CK_SMALL, A.node, c):
+            rc = cxl_observe64(A.r, cxl_small_magic_off(_chunk_off(A, k)), &m)
+            if rc != 0:
+                return rc
+            if m != _magic(c):
+                continue  # a carve cut short (never formatted): a leak, never a slot
             rc = _chunk_live(A, k, c, &live)
             if rc != 0:
                 return rc

@@ -490,14 +490,6 @@ def test_a_failed_channel_creation_leaves_no_name_on_memory_that_is_not_the_chan
     _only_leaks(ch.spec)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "an alloc whose chunk carve failed after the chunk-table word was published (the "
-    "header/bitmap flush, a bitmap or header store, their persist, the magic) leaves a "
-    "chunk of ours without its magic, and the next alloc takes slots from it "
-    "(alloc.pyx _carve returns the error with the table word set; _alloc_slow/_scan_own "
-    "use any chunk the table gives us): heapscan calls it 'never carved', `check` says "
-    "the name 'points into free heap', and `check --repair` of the node gives the chunk "
-    "back under the live object"))
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 def test_a_name_on_an_object_allocated_after_a_failed_carve_leads_into_live_heap(
         backend, emu_only, effect):
@@ -530,4 +522,7 @@ def test_a_name_on_an_object_allocated_after_a_failed_carve_leads_into_live_heap
             break
     else:
         pytest.fail("an alloc that never runs out of accesses")
-    assert k >= 20 and errors >= k - 8, (k, errors)
+    # Every failure surfaced but those a step absorbs by writing again what it wrote:
+    # the allocator lock's release (4 accesses) and the fresh chunk's header and bitmap
+    # (_carve's _format, 9: the chunk is ours and no slot of it is out yet).
+    assert k >= 20 and k - errors == 4 + 9, (k, errors)

@@ -730,7 +730,16 @@ cdef class Channel:
             r.dma_write(off, CHAN_MAGIC.to_bytes(8, "little"))
             r.put(key, off)
         except BaseException:
-            r.free(off)
+            # A put that raised may still have named it (its answer lost after the
+            # entry was decided): then the memory is the channel's, and freeing it
+            # would leave the name on memory the next alloc hands out. Where we cannot
+            # tell, it leaks.
+            try:
+                named = r.get(key) == off
+            except Exception:  # noqa: BLE001  (the first error is the one to raise)
+                named = True
+            if not named:
+                r.free(off)
             raise
         return off
 

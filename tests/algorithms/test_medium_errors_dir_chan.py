@@ -444,11 +444,6 @@ def test_a_first_send_or_recv_that_raised_can_be_repeated(
 
 # --- channel: creation ---------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a creation whose directory put raised after the name was decided (generation odd) "
-    "frees the channel's memory (Channel._create: except BaseException: r.free(off)) "
-    "while the name leads to it: the repeated Channel() attaches to freed memory, which "
-    "the next alloc hands out again"))
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 def test_a_failed_channel_creation_leaves_no_name_on_memory_that_is_not_the_channels(
         backend, emu_only, effect, keep):

@@ -1032,6 +1032,14 @@ cdef class Channel:
             verdict = "mine"
         else:
             verdict = self._judge(c)
+            if verdict == "alive" and c["node"] == r.node:
+                # We hold the role lock, so no live process of our node holds the role:
+                # this claim names our node but no living owner. It is a claim of ours
+                # whose stores failed part-way, its later words an earlier owner's (or
+                # zero), which would otherwise keep the role taken for as long as our
+                # node lives. Taken over as a silent one (a new run): that earlier owner
+                # may be another node's, and stalled.
+                verdict = "silent"
             if verdict == "alive":
                 raise self._busy(role, c)
         epoch, run, src, hole = c["epoch"], c["run"], c["src"], False

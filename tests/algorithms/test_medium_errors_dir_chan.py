@@ -399,11 +399,6 @@ def test_the_consumer_keeps_receiving_after_a_recv_that_raised(
 
 # --- channel: the first send/recv claims its role ------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a claim that fails between its owner word and its boot word leaves a half-written "
-    "claim line naming this process; the claimant itself then judges it a live other "
-    "owner, and the role stays taken (ChannelBusyError) for as long as the node lives "
-    "(Channel._claim_locked: identity stored word by word; _judge)"))
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 @pytest.mark.parametrize("role", ["producer", "consumer"])
 def test_a_first_send_or_recv_that_raised_can_be_repeated(

@@ -77,6 +77,7 @@ cdef enum:
     # Messages below this many bytes are sent/received without releasing the
     # GIL when they need no wait: releasing it costs more than the copy.
     _NOGIL_BYTES = 4096
+    PUBLISH_TRIES = 3  # stores of a counter whose medium failed (_publish)
 
 cdef uint64_t NONE = <uint64_t>-1
 
@@ -263,17 +264,36 @@ cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t
                          uint64_t epoch, uint64_t* ok_ns, const char* point) noexcept nogil:
     """Publish counter + 1 on our run line, then re-check our epoch: 0, CXLRT_E_CHANLOST
     (published, but the role may no longer be ours), or an error."""
-    cdef int rc
+    cdef int rc, tries
+    cdef uint64_t v = 0
     CXL_ASSERT((line == C.p_line) | (line == C.c_line), b"a counter not on our run line")
     CXL_ASSERT((line & 63) == 0, b"a run line that is not a whole cache line")
     # Release: the slot's DMA (send) or reads (recv) complete before the counter moves
     # (pairs with the acquire fence of the other end after it observes the counter).
     cxl_fence_release()
-    rc = cxl_store64(C.r, line, counter[0] + 1)
-    if rc == 0:
-        # Publish (pairs with the other end's observe in _observe_tail/_observe_head).
-        rc = cxl_persist(C.r, line, sizeof(uint64_t))
+    # A failed store or publish may still have landed (in our view, which any later
+    # flush of the line writes back; or on the medium, its answer lost), and then the
+    # other end sees this number now or later. Storing the same number again is
+    # harmless (our run line has one writer, us, and no taker continues the run of a
+    # live owner), so say it again: the call then has one outcome, done.
+    for tries in range(PUBLISH_TRIES):
+        rc = cxl_store64(C.r, line, counter[0] + 1)
+        if rc == 0:
+            # Publish (pairs with the other end's observe in _observe_tail/_observe_head).
+            rc = cxl_persist(C.r, line, sizeof(uint64_t))
+        if rc == 0:
+            break
     if rc != 0:
+        # Still failing: if the number is in our view, it reaches the other end, and the
+        # next message must take the next one (reusing it would write that message
+        # over a slot the consumer may be reading, and lose it). Our view says what the
+        # other end will see. The caller is told it failed: a repeat may then arrive
+        # twice, never garbled and never instead of another.
+        for tries in range(PUBLISH_TRIES):
+            if cxl_load64(C.r, line, &v) == 0:
+                if v == counter[0] + 1:
+                    counter[0] += 1
+                break
         return rc
     counter[0] += 1
     if unlikely(_armed[0]):

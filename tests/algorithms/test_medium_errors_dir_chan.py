@@ -290,7 +290,9 @@ def test_a_send_that_raised_and_is_repeated_arrives_once(backend, emu_only, effe
             break
     else:
         pytest.fail("a send that never runs out of accesses")
-    assert k >= 6 and errors == k, (k, errors)
+    # Every failure surfaced but the counter's publish (its store, and its persist's
+    # flush and fence), which is said again: the call then went through.
+    assert k >= 6 and k - errors == 3, (k, errors)
     _only_leaks(ch.spec)
 
 
@@ -324,15 +326,12 @@ def test_a_recv_that_raised_and_is_repeated_gets_the_message_once(
             break
     else:
         pytest.fail("a recv that never runs out of accesses")
-    assert k >= 6 and errors == k, (k, errors)
+    # Every failure surfaced but the counter's publish (its store, and its persist's
+    # flush and fence), which is said again: the call then went through.
+    assert k >= 6 and k - errors == 3, (k, errors)
     _only_leaks(ch.spec)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a send whose tail was published but whose answer was lost (its persist's flush "
-    "done, or its fence) raises without counting the message: the next send reuses "
-    "its number and slot, so once the consumer took the first, the next send returns "
-    "and is never received (cxl_chan_send_try/_publish: counter[0] += 1 only on rc 0)"))
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 def test_a_send_that_returned_after_one_that_raised_arrives(backend, emu_only, effect, keep):
     """One access of a send failed in turn; the consumer looks right away (it may get
@@ -358,11 +357,6 @@ def test_a_send_that_returned_after_one_that_raised_arrives(backend, emu_only, e
     _only_leaks(ch.spec)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a recv whose head was published but whose answer was lost (its persist's flush "
-    "done, or its fence) raises without moving the consumer's head: the producer "
-    "reuses the slot, and every later recv reads the new message's number there and "
-    "raises 'slot N holds message number M' for good (cxl_chan_take/_publish)"))
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 def test_the_consumer_keeps_receiving_after_a_recv_that_raised(
         backend, emu_only, effect, keep):

@@ -287,14 +287,16 @@ cdef inline int _publish(cxl_chan* C, uint64_t line, uint64_t* counter, uint64_t
         # Still failing: if the number is in our view, it reaches the other end, and the
         # next message must take the next one (reusing it would write that message
         # over a slot the consumer may be reading, and lose it). Our view says what the
-        # other end will see. The caller is told it failed: a repeat may then arrive
-        # twice, never garbled and never instead of another.
+        # other end will see. A sender is told it failed (a repeat may then arrive
+        # twice, never garbled and never instead of another); a receiver whose head
+        # moved has taken the message, and gets it: raising would lose it.
         for tries in range(PUBLISH_TRIES):
             if cxl_load64(C.r, line, &v) == 0:
-                if v == counter[0] + 1:
-                    counter[0] += 1
                 break
-        return rc
+        if v != counter[0] + 1 or line != C.c_line:
+            if v == counter[0] + 1:
+                counter[0] += 1
+            return rc
     counter[0] += 1
     if unlikely(_armed[0]):
         cxl_crash_hit(point)

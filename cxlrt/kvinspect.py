@@ -8,6 +8,7 @@ reader here never keeps a copy of the format.
 from __future__ import annotations
 
 import struct
+import time
 from typing import Any
 
 from cxlrt import layoutinfo
@@ -22,6 +23,7 @@ _STATS = Format("kv_stats")
 _AT = {m.name: m.offset for m in layoutinfo.fields("kv_header")}
 _HEADER = layoutinfo.size("kv_header")
 _PIN = struct.Struct("<Q").size
+CONFIRM_S = 0.05  # between the two reads of a cache's tables whose first found a problem
 _LINE = layoutinfo.size("kv_entry")
 _E = {m.name: m.offset for m in layoutinfo.fields("kv_entry")}
 _C = {m.name: m.offset for m in layoutinfo.fields("kv_claim")}
@@ -121,12 +123,26 @@ def _words(raw: bytes, at: int, fields: dict[str, int], *names: str) -> tuple[in
 
 
 def _audit_one(region: Any, name: str, off: int) -> list[str]:
+    """The problems of one cache that two reads of its tables, a moment apart, agree
+    on: `cxlrt check` may run beside live traffic, where a line being written reads
+    torn, and a payload freed and handed out again between the reads of two tables
+    looks named twice."""
     _, g, lay = _header(region, off)
     slots = g.slots
     records = lay.claims + slots * _LINE  # the records follow the claim lines
     nrec = (off + lay.total - records) // _LINE
     if slots > (1 << 24) or not 0 <= nrec <= (1 << 24):
         raise RegionError(f"{slots} slots and {nrec} records is not a KV cache's shape")
+    first = _audit_pass(region, name, lay, slots, records, nrec)
+    if not first:
+        return first
+    time.sleep(CONFIRM_S)
+    again = set(_audit_pass(region, name, lay, slots, records, nrec))
+    return [p for p in first if p in again]
+
+
+def _audit_pass(region: Any, name: str, lay: Any, slots: int, records: int,
+                nrec: int) -> list[str]:
     entries = region.dma_read(lay.entries, slots * _LINE)
     claims = region.dma_read(lay.claims, slots * _LINE)
     recs = region.dma_read(records, nrec * _LINE)

@@ -412,6 +412,11 @@ cdef class Writer:
         cdef int rc
         published = []
         lost = []
+        # An earlier try of this step (a publish retried after a stall, an abandon()
+        # after a failed publish) may have left a record whose tombstone never came:
+        # dropped now, or it would free the payload a second time once we bury the
+        # entry again below.
+        self.claims.settle()
         for s, gen, off, j in reserved:
             with nogil:
                 rc = kv_read(self.K, s, &e)

@@ -10,13 +10,19 @@ every block); and `cxlrt check` finds nothing worse than a leak.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from functools import partial
 
 import pytest
 
 import cxlrt
 from cxlrt import check as cxcheck
-from tests.algorithms.test_kvcache import _corrupt, block_for, chain, open_cache
+from cxlrt import crash
+from tests.algorithms.test_directory_crash import _wait_stopped
+from tests.algorithms.test_kvcache import BB, _corrupt, block_for, chain, open_cache
+from tests.algorithms.test_kvcache_failures import _spawn
 from tests.algorithms.test_medium_errors import MOST, _fail_one_access, _medium_pins
 
 KINDS = ("load", "store", "flush", "fence", "dma")
@@ -134,3 +140,50 @@ def test_check_names_a_payload_that_two_entries_hold(backend, keep):
     _corrupt(r, c, keys[2], raw=bytes(63) + b"\x01")
     problems = cxcheck.check(backend.spec())["problems"]
     assert any(f"entry {ents[keys[2]]['slot']} is torn or corrupt" in p for p in problems), problems
+
+
+def _store_stalled_in_its_burial(spec, lease, out):
+    """In a child: a store whose copy fails (its first DMA) buries its claim, and stops
+    between the burial's record and its tombstone for longer than the lease; resumed,
+    its publish is refused (fenced) and done again. Reports what is left."""
+    r = cxlrt.open(spec, node=0)
+    c = open_cache(r, capacity_blocks=CAP)
+    keys = c.block_hashes(chain(1, 1))
+    r.backend.fail_access(after=0, kinds=("dma",))
+    crash.arm("kv.evict.intent", "stop")
+    try:
+        _store(c, keys)
+        err = None
+    except cxlrt.RegionError as e:
+        err = type(e).__name__
+    crash.disarm()
+    r.backend.fail_access(kinds=())
+    out.put((err, c.records(), [e["slot"] for e in c.entries()]))
+    c.close()
+    r.close()
+
+
+@pytest.mark.crash
+def test_a_burial_said_again_after_a_stall_leaves_no_second_record(backend, emu_only, keep):
+    """A burial whose record landed but whose tombstone did not (the writer stalled past
+    the lease in between, so the write was fenced) is done again by the publish's retry.
+    The first record must go first: before, it stayed, and the next store's settle
+    freed the payload a second time, by then another object's (found by review)."""
+    lease = 0.5
+    r = keep(backend.create(nodes=2, size="32M", lease=lease))
+    c = open_cache(r, capacity_blocks=CAP)
+    p, q = _spawn(_store_stalled_in_its_burial, backend.spec(), lease)
+    try:
+        _wait_stopped(p.pid)
+        time.sleep(4 * lease)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.join(timeout=60)
+    err, records, slots = q.get(timeout=5)
+    assert err is not None and slots == [], (err, slots)
+    assert records == [], f"a record of the first burial stayed: {records}"
+    objs = [r.alloc(64 + BB) for _ in range(4)]  # the heap's next payload-sized objects
+    c.recover()  # settles records: none may free anything now
+    again = [r.alloc(64 + BB) for _ in range(4)]
+    assert not set(objs) & set(again), "a payload was freed twice and handed out again"
+    _check_clean(backend.spec())

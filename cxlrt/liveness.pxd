@@ -51,6 +51,7 @@ ctypedef struct cxl_live:
     uint64_t last_beat               # our monotonic ns after our latest beat was published
     uint64_t gap_end                 # our monotonic ns at the end of our latest silence > lease
     uint64_t gaps                    # silences longer than the lease so far
+    uint64_t gap_ns                  # how long our latest silence > lease lasted
     uint64_t beats                   # beats published by this process
     int stop                         # set by close(): the beat thread exits
     int beat_rc                      # latest backend error the beat thread met, 0 none

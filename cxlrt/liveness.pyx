@@ -25,6 +25,7 @@ from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_a
 from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_NODE_DETACHED,
                            CXL_NODE_NEVER)
 from cxlrt.status cimport check_rc
+from cxlrt.status import name_of
 
 from cxlrt.errors import RegionError
 from cxlrt.formats import Format
@@ -228,6 +229,7 @@ cdef void _beat_once(cxl_live* V) noexcept nogil:
     last = cxl_atomic_load_acquire64(&V.last_beat)
     if last != 0 and t - last > V.lease_ns:
         V.gaps += 1
+        V.gap_ns = t - last
         cxl_atomic_store_release64(&V.gap_end, t)  # before last_beat: see silent_since
     cxl_atomic_store_release64(&V.last_beat, t)
     V.beats += 1
@@ -412,6 +414,23 @@ cdef class Liveness:
     def stats(self):
         return {"beats": self.V.beats, "gaps": self.V.gaps, "fenced": bool(self.V.fenced),
                 "incarnation": self.V.incarnation, "beat_error": self.V.beat_rc}
+
+    def silence(self):
+        """What this process knows of why it counts as silent, for a LeaseLost message:
+        a stall and a heartbeat that cannot publish call for different fixes."""
+        cdef uint64_t now = cxl_now_ns(), last = cxl_atomic_load_acquire64(&self.V.last_beat)
+        cdef uint64_t end = cxl_atomic_load_acquire64(&self.V.gap_end)
+        if cxl_live_fenced(&self.V):
+            return "another life of this node took it over"
+        out = []
+        if last and now > last + self.V.lease_ns:
+            out.append(f"no beat published for {(now - last) / 1e9:.3f} s")
+        if end:
+            out.append(f"the latest silence lasted {self.V.gap_ns / 1e9:.3f} s "
+                       f"and ended {(now - end) / 1e9:.3f} s ago")
+        if self.V.beat_rc:
+            out.append(f"the heartbeat's latest publish failed: {name_of(self.V.beat_rc)}")
+        return "; ".join(out) or "no silence recorded"
 
     # detach -------------------------------------------------------------------------
     def _stop_thread(self):

@@ -781,7 +781,8 @@ cdef class Lock:
         if silent or rc == CXLRT_E_FENCED:
             raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
                             f"the {self.svc.lease_s} s lease while holding or waiting for "
-                            "it; another node may have held it at the same time")
+                            "it; another node may have held it at the same time "
+                            f"({self.svc.live.silence()})")
 
     def check(self):
         """Seconds of validity left to this hold; LeaseLost if it is already suspect.
@@ -795,7 +796,8 @@ cdef class Lock:
             raise RuntimeError(f"lock {self.name!r} is not held by this thread")
         if cxl_live_silent_since(self.svc.L.live, self._t0):
             raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
-                            f"the {self.svc.lease_s} s lease since it began to acquire it")
+                            f"the {self.svc.lease_s} s lease since it began to acquire it "
+                            f"({self.svc.live.silence()})")
         return max(0.0, cxl_live_remaining_ns(self.svc.L.live) / 1e9)
 
     def locked(self):

@@ -149,7 +149,10 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     else:
         rc = cxl_mgr_acquire(L, id, deadline)
     if rc != 0:
-        s.global_held = 0
+        # The acquire withdrew what it published, but a medium that kept failing may
+        # have left it on our line (the ticket or the request): the sweep withdraws
+        # again, as for a release that could not land. Not where nothing was written.
+        s.global_held = 0 if rc == CXLRT_E_FENCED or rc == CXLRT_E_CLOSED else 1
         s.holder_pid = 0
         s.holder_tid = 0
         cxl_local_mutex_exit(L, &s.m, id)
@@ -203,7 +206,9 @@ cdef int cxl_lock_release(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept n
                 rc = CXLRT_E_FENCED
                 break
             rc = _leave(L, id, mode)
-    s.global_held = 0
+    # Still failing: our line may still show the hold. global_held stays set, so the
+    # heartbeat's sweep says the leave again, under the node-local mutex, until it lands.
+    s.global_held = 1 if rc != 0 and rc != CXLRT_E_FENCED else 0
     s.holder_pid = 0
     s.holder_tid = 0
     cxl_local_mutex_exit(L, &s.m, id)
@@ -270,12 +275,16 @@ cdef void cxl_local_exit(cxl_lockctx* L, uint32_t id) noexcept nogil:
 
 
 cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexcept nogil:
-    """If a dead process of our node holds `id`, clear its hold. 1 if it did."""
+    """If a dead process of our node holds `id`, clear its hold. 1 if it did. A leave
+    that could not land (global_held with no holder) is said again."""
     cdef cxl_local_lock* s = cxl_lock_slot(L, id)
     cdef int rc = cxl_mutex_trylock(&s.m)
     if rc < 0:
         return 0  # held by a live thread (or busy): nothing to do
-    if rc == 1:
+    if rc == 0 and s.holder_pid == 0 and s.global_held:
+        if not cxl_live_fenced(L.live) and _global_reset(L, id, mode) == 0:
+            s.global_held = 0
+    elif rc == 1:
         s.repair = 1  # a node-local-only lock's guarded state: its next taker repairs
         s.recovered += 1
         _global_reset(L, id, mode)

@@ -86,6 +86,7 @@ ctypedef struct emu_ctx:
     int v_other
     emu_stats st              # this process's counters
     uint64_t fail_in          # armed: the fail_in-th access of fail_kinds fails (0: off)
+    uint64_t fail_more        # accesses of fail_kinds after it that fail too
     uint32_t fail_kinds       # EMU_F_* bits
     uint32_t fail_tid         # only this thread's accesses count (not a beat thread's)
     bint fail_effect          # the failed access takes effect first (a lost reply)

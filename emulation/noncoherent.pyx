@@ -225,6 +225,9 @@ cdef int _fails(emu_ctx* c, uint32_t kind) noexcept nogil:
     if c.fail_in:
         return 0
     c.st.injected += 1
+    if c.fail_more:
+        c.fail_more -= 1
+        c.fail_in = 1
     return 2 if c.fail_effect else 1
 
 
@@ -636,13 +639,16 @@ cdef class EmuBackend(Backend):
                 "injected_failures": s.injected}
 
     def fail_access(self, unsigned long long after=0, kinds=("store", "flush", "fence"),
-                    bint effect=False):
+                    bint effect=False, unsigned long long times=1):
         """Make one access of the calling thread fail with CXLRT_E_IO, as a medium can
         (an RDMA completion error, a poisoned line): the one after `after` more
         accesses of `kinds` ("load", "store", "flush", "fence", "dma"; a word of a
-        gather or scatter counts as one). With `effect` the access is done first and
-        only its answer is lost. Other threads (a beat thread) are never failed.
-        Disarmed once it has fired, or by fail_access(kinds=())."""
+        gather or scatter counts as one), and with `times` the next times - 1 of them
+        too (a failure that outlasts the retries in front of it). With `effect` each
+        access is done first and only its answer is lost. Other threads (a beat thread)
+        are never failed. Disarmed once the last has fired, or by fail_access(kinds=())."""
+        if times < 1:
+            raise ValueError(f"fail_access: times={times}; at least one access fails")
         cdef uint32_t bits = 0
         for k in kinds:
             try:
@@ -654,6 +660,7 @@ cdef class EmuBackend(Backend):
         self.c.fail_kinds = bits
         self.c.fail_tid = cxl_thread_id()
         self.c.fail_effect = effect
+        self.c.fail_more = times - 1
         if bits:
             self.c.fail_in = after + 1
 

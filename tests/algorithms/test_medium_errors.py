@@ -24,17 +24,19 @@ SEED = 11
 MOST = 2000  # accesses of one operation: far more than any makes
 
 
-def _fail_one_access(r, k, effect, act, kinds=("store", "flush", "fence")):
-    """Run act() with the k-th access of `kinds` by this thread failing (k from 0).
-    Returns (whether the failure fired, the MediumError act raised or None)."""
-    r.backend.fail_access(after=k, kinds=kinds, effect=effect)
+def _fail_one_access(r, k, effect, act, kinds=("store", "flush", "fence"), times=1):
+    """Run act() with the k-th access of `kinds` by this thread failing (k from 0), and the
+    times - 1 after it. Returns (whether the first failure fired, the MediumError act
+    raised or None)."""
+    injected = r.backend.stats()["injected_failures"]
+    r.backend.fail_access(after=k, kinds=kinds, effect=effect, times=times)
     err = None
     try:
         act()
     except cxlrt.MediumError as e:
         err = e
     finally:
-        fired = not r.backend.fail_pending()
+        fired = r.backend.stats()["injected_failures"] > injected
         r.backend.fail_access(kinds=())
     return fired, err
 

@@ -37,17 +37,19 @@ SLOTS = 2
 MSG_BYTES = 200
 
 
-def _fail_one_access(r, k, effect, act, kinds):
-    """Run act() with the k-th access of `kinds` by this thread failing (k from 0).
-    Returns (whether the failure fired, the MediumError act raised or None, its result)."""
-    r.backend.fail_access(after=k, kinds=kinds, effect=effect)
+def _fail_one_access(r, k, effect, act, kinds, times=1):
+    """Run act() with the k-th access of `kinds` by this thread failing (k from 0), and the
+    times - 1 after it. Returns (whether the first failure fired, the MediumError act
+    raised or None, its result)."""
+    injected = r.backend.stats()["injected_failures"]
+    r.backend.fail_access(after=k, kinds=kinds, effect=effect, times=times)
     err = out = None
     try:
         out = act()
     except cxlrt.MediumError as e:
         err = e
     finally:
-        fired = not r.backend.fail_pending()
+        fired = r.backend.stats()["injected_failures"] > injected
         r.backend.fail_access(kinds=())
     return fired, err, out
 

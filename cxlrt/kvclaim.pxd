@@ -41,6 +41,7 @@ cdef class Claims:
     cdef uint64_t rec_top(self) except? 0xffffffffffffffff
     cdef int rec_get(self, uint64_t i, kv_claim* c) except -1
     cdef int free_payload(self, uint64_t off) except -1
+    cdef tuple _key(self, uint64_t s, uint64_t gen)
     cdef bint _is_me(self, const kv_claim* c) noexcept
     cdef uint64_t _node_inc(self, uint32_t node) except? 0xffffffffffffffff
     cdef bint _released(self, uint64_t i, const kv_claim* c) except -1

@@ -148,6 +148,14 @@ cdef int kv_raise(Region region, str name, const kv_index* K, int rc, str what) 
     return region._rc(rc, f"KV cache {name!r}: {what}", 0, 0, _kv_detail(region, K, rc))
 
 
+# The claims this process's stores are writing now, by (region, cache, our tag, slot,
+# generation), across its instances of a cache and its threads. A claim that names us
+# but is not here was left by a store of ours that failed and could not bury it (the
+# medium kept failing): nobody writes it, so the next store takes it over at once
+# instead of skipping its key as being written for as long as we live.
+_WRITING = {}
+
+
 cdef class Claims:
     """The claims and records of one attached cache (see the module docstring)."""
 
@@ -190,6 +198,21 @@ cdef class Claims:
                         inc=self.id_inc, start=self.id_start, where=self.id_where, check=0)
         c.check = kv_mix(c)
 
+    cdef tuple _key(self, uint64_t s, uint64_t gen):
+        return (self.region.spec, self.name, self.id_tag, s, gen)
+
+    def writing(self, list reserved, int d):
+        """Count the claims of `reserved` ((slot, gen, off, index)) as being written by a
+        store of ours (d = 1, under the cache lock, before anyone may judge them), or
+        no longer (d = -1, once the store has published or given them back)."""
+        for s, gen, off, j in reserved:
+            k = self._key(s, gen)
+            n = _WRITING.get(k, 0) + d
+            if n > 0:
+                _WRITING[k] = n
+            else:
+                _WRITING.pop(k, None)
+
     cdef bint _is_me(self, const kv_claim* c) noexcept:
         return (kv_retag(c.tag, 0) == self.id_tag and c.start == self.id_start
                 and c.where == self.id_where)
@@ -225,7 +248,8 @@ cdef class Claims:
         cdef int st, rc
         if self.claim_of(s, e, c):
             if self._is_me(c):
-                return 0  # ours: this process is alive and knows what it writes
+                # Ours: a store of ours is writing it, or one that failed left it.
+                return 0 if self._key(s, kv_gen(e)) in _WRITING else 2
             if (not CXLRT_TEST_HOOK(self.foreign) and c.where == self.id_where
                     and not process_alive(kv_cpid(c), c.start)):
                 return 2

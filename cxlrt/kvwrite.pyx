@@ -37,7 +37,7 @@ from cxlrt.status cimport CXLRT_E_KVCORRUPT, CXLRT_E_NOMEM
 
 import time
 
-from cxlrt.errors import LeaseLost
+from cxlrt.errors import LeaseLost, MediumError
 
 cdef int* _armed = cxl_crash_armed_ptr()
 
@@ -75,11 +75,14 @@ cdef class Writer:
                     continue
                 if got is False:
                     break  # no room even after eviction: store what we have
+            self.release_quietly()  # every write above was fenced: a late LeaseLost is moot
         except BaseException:
             self.release_quietly()
-            self.abandon(reserved, ks)  # nothing half-reserved stays behind
+            try:
+                self.abandon(reserved, ks)  # nothing half-reserved stays behind
+            finally:
+                self.claims.writing(reserved, -1)
             raise
-        self.release_quietly()  # every write above was fenced: a late LeaseLost is moot
         done = False
         published = lost = ()
         try:
@@ -91,16 +94,20 @@ cdef class Writer:
                     self.region._busy -= 1
             done = True
         finally:
-            if reserved:
-                try:
-                    published, lost = self.publish(reserved, ks, done)
-                except BaseException:
-                    # A failed write left the rest of our claims as being written, which
-                    # every store (this caller's retry too) skips until they are taken
-                    # over, a lease or more from now: bury them now if the medium lets
-                    # us (the entries published before the failure stay).
-                    self.abandon(reserved, ks)
-                    raise
+            try:
+                if reserved:
+                    try:
+                        published, lost = self.publish(reserved, ks, done)
+                    except BaseException:
+                        # A failed write left the rest of our claims as being written,
+                        # which every store (this caller's retry too) skips until they
+                        # are taken over, a lease or more from now: bury them now if the
+                        # medium lets us (the entries published before the failure stay).
+                        self.abandon(reserved, ks)
+                        raise
+            finally:
+                # What even abandon() left, our next store takes over: nobody writes it.
+                self.claims.writing(reserved, -1)
         return published, lost, skipped, len(reserved)
 
     cdef uint64_t alloc_payload(self) except? 0:
@@ -157,6 +164,11 @@ cdef class Writer:
             self.lock.release()
         except LeaseLost:
             pass  # a silence the fence already answered: nothing was written during it
+        except MediumError:
+            # Every write under the hold was made; the leave that failed is the lock's
+            # to say again (its heartbeat sweep does). Raising here left a store's
+            # claims being written, skipped by every store until this process ended.
+            pass
 
     def release_quietly(self):
         """Let the cache lock go (if this thread holds it)."""
@@ -298,6 +310,7 @@ cdef class Writer:
         # buries the entry if it is there; a claim line alone is the orphan that the
         # next reserve of this slot frees, as after a crash here.
         reserved.append((s, gen, off, j))
+        self.claims.writing([(s, gen, off, j)], 1)  # before anyone, this store too, judges it
         with nogil:
             rc = kv_put(self.K, kv_claim_at(self.K, s), &c)
             if rc == 0:

@@ -66,10 +66,11 @@ def _check_clean(spec):
 OPS = ("store", "store-evict", "delete", "load")
 
 
+@pytest.mark.parametrize("times", [1, 4], ids=["once", "4x"])
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
 @pytest.mark.parametrize("op", OPS)
 def test_a_failed_access_anywhere_in_a_kv_step_never_serves_wrong_bytes(
-        backend, emu_only, op, effect, keep):
+        backend, emu_only, op, effect, times, keep):
     """Node 0 stores (into room, or into a full cache, which evicts), deletes or loads,
     with one of its accesses failed, each in turn. Node 1, in the same process, then
     finds every key it can and loads it: it must get the bytes stored under that key.
@@ -96,9 +97,9 @@ def test_a_failed_access_anywhere_in_a_kv_step_never_serves_wrong_bytes(
             act = partial(c.delete, new[:1] + base[2:])
         else:
             act = partial(_verify, c, base + new, "the failing load itself")
-        fired, err = _fail_one_access(r, k, effect, act, KINDS)
+        fired, err = _fail_one_access(r, k, effect, act, KINDS, times)
         errors += err is not None
-        what = f"{op}, access {k} failed ({'done' if effect else 'undone'})"
+        what = f"{op}, access {k} failed ({'done' if effect else 'undone'}, {times}x)"
         _verify(co, base, what)
         _verify(co, new, what)
         _verify(c, base + new, what)

@@ -148,7 +148,7 @@ cdef int kv_raise(Region region, str name, const kv_index* K, int rc, str what) 
     return region._rc(rc, f"KV cache {name!r}: {what}", 0, 0, _kv_detail(region, K, rc))
 
 
-# The claims this process's stores are writing now, by (region, cache, our tag, slot,
+# The claims this process's stores are writing now, by (region uuid, cache, our tag, slot,
 # generation), across its instances of a cache and its threads. A claim that names us
 # but is not here was left by a store of ours that failed and could not bury it (the
 # medium kept failing): nobody writes it, so the next store takes it over at once
@@ -199,7 +199,9 @@ cdef class Claims:
         c.check = kv_mix(c)
 
     cdef tuple _key(self, uint64_t s, uint64_t gen):
-        return (self.region.spec, self.name, self.id_tag, s, gen)
+        # The region's format id, not its spec: two Regions of one node in a process may
+        # name the same region by different strings and must find each other's claims.
+        return (self.region.uuid, self.name, self.id_tag, s, gen)
 
     def writing(self, list reserved, int d):
         """Count the claims of `reserved` ((slot, gen, off, index)) as being written by a

@@ -149,10 +149,11 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     else:
         rc = cxl_mgr_acquire(L, id, deadline)
     if rc != 0:
-        # The acquire withdrew what it published, but a medium that kept failing may
-        # have left it on our line (the ticket or the request): the sweep withdraws
-        # again, as for a release that could not land. Not where nothing was written.
-        s.global_held = 0 if rc == CXLRT_E_FENCED or rc == CXLRT_E_CLOSED else 1
+        # The acquire withdrew what it published (a timeout, a close, a failure), but a
+        # medium that kept failing may have left it on our line (the ticket or the
+        # request): the sweep withdraws again, as for a release that could not land
+        # (idempotent, so also where the withdrawal landed). Not once fenced.
+        s.global_held = 0 if rc == CXLRT_E_FENCED else 1
         s.holder_pid = 0
         s.holder_tid = 0
         cxl_local_mutex_exit(L, &s.m, id)
@@ -161,11 +162,8 @@ cdef int cxl_lock_acquire(cxl_lockctx* L, uint32_t id, uint32_t mode, uint64_t t
     cxl_fence_sc()  # held, then closing; Region.close() stores closing, then reads held
     if unlikely(cxl_atomic_load_acquire32(&L.closing)):
         L.held[id] = 0  # a hold that would outlive the close: given back at once
-        if mode == CXL_LOCK_BAKERY:
-            cxl_bakery_release(L, id)
-        else:
-            cxl_mgr_release(L, id)
-        s.global_held = 0
+        rc = _leave(L, id, mode)
+        s.global_held = 0 if rc == 0 else 1  # not landed: the close's sweep says it again
         s.holder_pid = 0
         s.holder_tid = 0
         cxl_local_mutex_exit(L, &s.m, id)
@@ -281,16 +279,18 @@ cdef int _recover_dead_holder(cxl_lockctx* L, uint32_t id, uint32_t mode) noexce
     cdef int rc = cxl_mutex_trylock(&s.m)
     if rc < 0:
         return 0  # held by a live thread (or busy): nothing to do
-    if rc == 0 and s.holder_pid == 0 and s.global_held:
-        if not cxl_live_fenced(L.live) and _global_reset(L, id, mode) == 0:
-            s.global_held = 0
-    elif rc == 1:
+    if rc == 1:
         s.repair = 1  # a node-local-only lock's guarded state: its next taker repairs
         s.recovered += 1
-        _global_reset(L, id, mode)
-        s.global_held = 0
         s.holder_pid = 0
         s.holder_tid = 0
+        s.global_held = 1  # whatever it published is ours to clear: below, or a later beat
+    # Only while our last beat is within the lease: a node whose beats fail may have been
+    # taken over by a new life on another host (whose node-local mutex is not ours to
+    # exclude), and clearing our line then clears its hold. The flag stays till then.
+    if s.holder_pid == 0 and s.global_held and cxl_live_remaining_ns(L.live) > 0:
+        if _global_reset(L, id, mode) == 0:
+            s.global_held = 0
     cxl_mutex_unlock(&s.m)
     return rc
 

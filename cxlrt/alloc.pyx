@@ -207,6 +207,21 @@ cdef int _clear_slot(cxl_allocctx* A, uint64_t k, uint32_t c, uint64_t slot,
     return rc
 
 
+cdef int _table_line(cxl_allocctx* A, uint64_t b, uint64_t* line) noexcept nogil:
+    """Observe the table line whose first word is b, and read it whole into line (each
+    load of one word pays its own checks); a short last line reads only its words."""
+    cdef uint64_t j, m = min(<uint64_t>CXL_LINE_WORDS, A.nchunks - b)
+    cdef int rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, b), m * sizeof(uint64_t))
+    if rc == 0 and m == CXL_LINE_WORDS:
+        return cxl_load(A.r, cxl_chunk_word_off(A.table_off, b), line,
+                        CXL_LINE_WORDS * sizeof(uint64_t))
+    j = 0
+    while rc == 0 and j < m:
+        rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, b + j), &line[j])
+        j += 1
+    return rc
+
+
 cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept nogil:
     """First-fit run of n free chunks (allocator lock held): 0, or CXLRT_E_NOMEM.
 
@@ -215,24 +230,14 @@ cdef int _find_free_run(cxl_allocctx* A, uint64_t n, uint64_t* first) noexcept n
     its chunks (a 2 MiB block spans 33). Only words read as 0 count towards a run:
     a head whose length was corrupted can cost a fit, never an overlap.
     """
-    cdef uint64_t k = 0, j, m = 0, b, at = <uint64_t>-1, run = 0, w
+    cdef uint64_t k = 0, b, at = <uint64_t>-1, run = 0, w
     cdef uint64_t line[CXL_LINE_WORDS]
     cdef int rc = 0
     CXL_ASSERT(cxl_lock_held(A.L, CXL_LOCK_ALLOC, True), b"free run sought without the lock")
     while k < A.nchunks:
         b = cxl_line_first_word(k)
         if b != at:
-            # Observe the line as we reach it, and read it whole (each load of one
-            # word pays its own checks).
-            m = min(<uint64_t>CXL_LINE_WORDS, A.nchunks - b)
-            rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, b), m * sizeof(uint64_t))
-            if rc == 0 and m == CXL_LINE_WORDS:
-                rc = cxl_load(A.r, cxl_chunk_word_off(A.table_off, b), line, sizeof(line))
-            elif rc == 0:
-                for j in range(m):
-                    rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, b + j), &line[j])
-                    if rc != 0:
-                        break
+            rc = _table_line(A, b, line)
             if rc != 0:
                 return rc
             at = b
@@ -304,7 +309,7 @@ cdef void _await_beat(cxl_allocctx* A) noexcept nogil:
 cdef int _alloc_lock(cxl_allocctx* A, uint64_t* t0) noexcept nogil:
     """Take the allocator lock; *t0 is our clock when we began to ask (a silence while we
     wait counts: another node may have taken the lock from us in the queue)."""
-    cdef int rec = 0
+    cdef int rec = 0, rc
     cdef uint64_t last = cxl_atomic_load_acquire64(&A.L.live.last_beat)
     t0[0] = cxl_live_t0(A.L.live)  # a coarse clock read when we beat on time
     if unlikely((last != 0 and last + A.L.live.lease_ns < t0[0]) or cxl_live_fenced(A.L.live)):
@@ -314,7 +319,10 @@ cdef int _alloc_lock(cxl_allocctx* A, uint64_t* t0) noexcept nogil:
         cxl_live_verify(A.L.live)
         _await_beat(A)
         t0[0] = cxl_now_ns()
-    return cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    rc = cxl_lock_acquire(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, <uint64_t>-1, &rec)
+    if rc == 0 and unlikely(A.heap.owed_n != 0):
+        _settle_owed(A, t0[0])  # what fails stays owed; cxl_alloc_large insists
+    return rc
 
 
 cdef inline int _fence(cxl_allocctx* A, uint64_t t0) noexcept nogil:
@@ -944,9 +952,9 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
 cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0) noexcept nogil:
     """Give the run of n chunks at k back to the table (allocator lock held since t0,
     fence checked, its lines observed). The head first: a process killed part-way
-    leaves orphan tails (a leak that check reports), never a short run. A node whose
-    unpublished lines are written back in any order can leave either; as before. The
-    stores are idempotent, so where the medium fails one the whole run is written
+    leaves orphan tails (a leak that check reports and _reclaim_tails frees), never a
+    short run. A node whose unpublished lines are written back in any order can leave
+    either; as before. The stores are idempotent, so where the medium fails one the whole run is written
     again (once the head is gone no later free can reach the tails), but only while
     the lock is still ours: a failing access can outlast the lease, and then the run
     may be another node's."""
@@ -956,7 +964,15 @@ cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0) noexce
             return CXLRT_E_FENCED
         tries += 1
         rc = _table_set(A, k, 0)
-        cxl_fence_release()
+        if rc == 0:  # published alone: a kill from here leaves no line of the run dirty
+            rc = cxl_publish(A.r, cxl_chunk_word_off(A.table_off, k), sizeof(uint64_t))
+        if rc == 0 and unlikely(_armed[0]):
+            cxl_crash_hit(b"free.large")
+        if rc == 0 and _fence(A, t0) != 0:
+            # The lock may have passed on, and with the head gone its holder may take
+            # our tails back (_reclaim_tails) and hand them out: leave them to it. The
+            # free is done, but under a lock that may have been another's.
+            return CXLRT_E_SUSPECT
         if rc == 0:
             rc = _table_fill(A, k + 1, n - 1, 0)
         if rc == 0:
@@ -964,19 +980,113 @@ cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0) noexce
     return rc
 
 
+cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t* cleared) noexcept nogil:
+    """Free every tail word whose run's head is gone (allocator lock held since t0).
+
+    A large alloc writes its tails before its head, and a large free clears its head
+    before its tails, each under the lock. So under the lock a tail that no head
+    covers was left by a step cut short (a kill, or a medium failing past its
+    retries); no free can reach it, and nothing else would ever give it back. Tails
+    inside a head's run are the run's, right or wrong (`cxlrt check` reports a wrong
+    one), and are left alone. 0, or an error; *cleared counts the words freed."""
+    cdef uint64_t k = 0, b, at = <uint64_t>-1, w, end = 0, tail = 0, lo = 0, hi = 0
+    cdef uint64_t line[CXL_LINE_WORDS]
+    cdef int rc = 0
+    cleared[0] = 0
+    while k < A.nchunks and rc == 0:
+        b = cxl_line_first_word(k)
+        if b != at:
+            rc = _table_line(A, b, line)
+            if rc != 0:
+                break
+            at = b
+        w = line[k - b]
+        if _kind(w) == CXL_CK_LARGE:
+            end = k + _low(w)
+            tail = _word(CXL_CK_TAIL, _owner(w), k)
+        elif _kind(w) == CXL_CK_TAIL and not (k < end and w == tail):
+            rc = _fence(A, t0)  # the lock is still ours: no step of another is under way
+            if rc == 0:
+                rc = _table_set(A, k, 0)
+            if rc == 0:
+                if cleared[0] == 0:
+                    lo = k
+                hi = k
+                cleared[0] += 1
+        k += 1
+    if rc == 0 and cleared[0]:
+        rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, lo),
+                                           (hi + 1 - lo) * sizeof(uint64_t)))
+    return rc
+
+
+cdef int cxl_reclaim(cxl_allocctx* A, uint64_t* cleared) noexcept nogil:
+    """Take the allocator lock and free the tails no head covers (_reclaim_tails)."""
+    cdef uint64_t t0 = 0
+    cdef int rc = _alloc_lock(A, &t0)
+    if rc != 0:
+        return rc
+    rc = _reclaim_tails(A, t0, cleared)
+    _walk_locked(A, rc)
+    cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
+    return rc
+
+
+cdef int _settle_owed(cxl_allocctx* A, uint64_t t0) noexcept nogil:
+    """Give back the run our node's large alloc wrote and did not hand out (allocator
+    lock held since t0): its head, then its tails, each only where the table still
+    holds that alloc's word. Only our node writes words that name it, and each of its
+    processes settles before it allocates a run, so a word that matches is that
+    alloc's; a word another node wrote over a chunk already given back does not match.
+    Idempotent: a process killed part-way leaves it owed for the next. 0, or an error
+    (then it stays owed)."""
+    cdef cxl_local_heap* h = A.heap
+    cdef uint64_t k = h.owed_k, n = h.owed_n, i, w = 0, want
+    cdef int rc
+    if k >= A.nchunks or n > A.nchunks - k:
+        h.owed_n = 0  # a torn record: not ours to trust (a leak check reports)
+        return CXLRT_E_CORRUPT
+    rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
+    i = 0
+    while rc == 0 and i < n:
+        want = _word(CXL_CK_LARGE, A.node, n) if i == 0 else _word(CXL_CK_TAIL, A.node, k)
+        rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, k + i), &w)
+        if rc == 0 and w == want:
+            rc = _fence(A, t0)
+            if rc == 0:
+                rc = _table_set(A, k + i, 0)
+            cxl_fence_release()  # the head before the tails: never a short run
+        i += 1
+    if rc == 0:
+        rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k),
+                                           n * sizeof(uint64_t)))
+    if rc == 0:
+        h.owed_n = 0
+    return rc
+
+
 cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexcept nogil:
     """A run of whole chunks, first fit, under the allocator lock."""
-    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, t0 = 0
+    cdef uint64_t n = (nbytes + CHUNK - 1) // CHUNK, k = 0, t0 = 0, cleared = 0
     cdef int rc = _alloc_lock(A, &t0)
     if rc != 0:
         return rc
     CXL_ASSERT(n >= 1, b"a large allocation of no chunk")
-    rc = _find_free_run(A, n, &k)
+    if unlikely(A.heap.owed_n != 0):
+        rc = _settle_owed(A, t0)  # a run of ours whose words match would be taken for it
+    if rc == 0:
+        rc = _find_free_run(A, n, &k)
+    if rc == CXLRT_E_NOMEM and _reclaim_tails(A, t0, &cleared) == 0 and cleared:
+        rc = _find_free_run(A, n, &k)  # room that steps cut short had stranded
     if rc == 0:
         CXL_ASSERT(k + n <= A.nchunks, b"a free run past the end of the table")
     if rc == 0:
         rc = _fence(A, t0)  # the run was free when we looked: only if the lock stayed ours
         if rc == 0:
+            # Owed until the caller has it: a kill or a failed access from here on
+            # leaves the run for the next holder of ours to give back.
+            A.heap.owed_k = k
+            A.heap.owed_n = n
             rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
             if rc == 0:
                 rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
@@ -984,11 +1094,12 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
                 rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
                 if rc == 0 and unlikely(_armed[0]):
                     cxl_crash_hit(b"alloc.large")
-            if rc != 0 and _fence(A, t0) == 0:
+            if rc == 0:
+                A.heap.owed_n = 0
+            elif _fence(A, t0) == 0:
                 # The medium failed part-way (a write may have landed): the caller gets
-                # no object, so the run goes back now rather than stay a leak for
-                # `cxlrt check --repair`. If this fails too, it is that leak.
-                _clear_run(A, k, n, t0)
+                # no object, so the run goes back now; what fails stays owed.
+                _settle_owed(A, t0)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
@@ -1030,6 +1141,11 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
             rc = _published(A, t0, _clear_run(A, k, n, t0))
         _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
+        if rc == CXLRT_E_SUSPECT:
+            # Silent past the lease mid-free: the tails may be left without their head.
+            # Under a hold of our own again, they go back now rather than at the next
+            # large alloc that runs short.
+            cxl_reclaim(A, &n)
         return rc
     if _kind(w) != CXL_CK_SMALL:
         return CXLRT_E_CORRUPT
@@ -1221,6 +1337,18 @@ cdef class Allocator:
             rc = _release_chunk(&self.A, k)
         if rc != 0:
             self._raise(rc, "release_chunk")
+
+    def reclaim(self):
+        """Free chunk-table tail words whose large head is gone (left by a large alloc or
+        free cut short); returns how many. The allocator also does this by itself
+        before it reports a large alloc out of memory."""
+        cdef uint64_t cleared = 0
+        cdef int rc
+        with nogil:
+            rc = cxl_reclaim(&self.A, &cleared)
+        if rc != 0:
+            self._raise(rc, "reclaim")
+        return cleared
 
     def trim(self):
         """Apply queued remote frees, then give this node's empty chunks back."""

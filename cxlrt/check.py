@@ -62,6 +62,10 @@ def check(spec: str) -> dict[str, Any]:
         for k, owner in s.uncarved_small:
             problems.append(f"leak: chunk {k} is marked small for node {owner} but was never "
                             "carved (a crash mid-carve)")
+        for k, owner in s.orphan_tails:
+            problems.append(f"leak: chunk {k} is a tail of node {owner}'s large run whose head "
+                            "is gone (an alloc or free cut short); the next large alloc that "
+                            "runs out of room, or --repair, frees it")
         for node, offs in s.queued.items():
             if nodes[node]["dead"]:
                 problems.append(f"node {node} is dead with {len(offs)} queued remote frees")
@@ -123,12 +127,15 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
             actions.append(f"applied {applied} queued remote frees")
         before = heapscan.scan(region)
         region.trim()
+        tails = region._allocator.reclaim()
+        if tails:
+            actions.append(f"freed {tails} tail chunk(s) whose large head was gone")
         for k, owner in before.uncarved_small:
             if owner == node:
                 region._allocator.release_chunk(k)
                 actions.append(f"reclaimed chunk {k} (carve interrupted)")
         after = heapscan.scan(region)
-        freed = (after.free_chunks - before.free_chunks)
+        freed = after.free_chunks - before.free_chunks - tails
         if freed:
             actions.append(f"returned {freed} chunk(s) of node {node} to the region")
         kept = after.by_node.get(node, {})

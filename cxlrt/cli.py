@@ -342,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "queues, locks, directory and node heartbeats. Exit code 0 "
                                    "when clean, 1 when problems are found. With --repair "
                                    "--node N, release a dead node's lock holds and reclaim its "
-                                   "empty or leaked chunks first.",
+                                   "empty or leaked chunks, and tail chunks whose large "
+                                   "run lost its head, first.",
                        epilog=SPEC_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("spec", help="region spec")
     c.add_argument("--repair", action="store_true", help="repair the dead node given by --node")

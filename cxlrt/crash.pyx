@@ -28,6 +28,7 @@ POINTS = {
     "lock.mgr.grant": "manager: about to publish a grant",
     "alloc.small": "slot bit set in the owner's bitmap, object not yet returned",
     "alloc.large": "chunk run written to the chunk table (allocator lock held), not yet returned",
+    "free.large": "large free: head word cleared (allocator lock held), tail words not yet",
     "free.remote": "remote free: link line written into the object (allocator lock held), "
                    "queue head not yet published",
     "free.local": "owner's free: heap mutex held, slot bit not yet cleared",

@@ -57,6 +57,7 @@ class HeapScan:
     problems: list = field(default_factory=list)
     empty_small: list = field(default_factory=list)      # (chunk, owner)
     uncarved_small: list = field(default_factory=list)   # (chunk, owner): carve interrupted
+    orphan_tails: list = field(default_factory=list)     # (chunk, owner): its head is gone
     live_ranges: list = field(default_factory=list)      # (start, end) of live chunks
     queued: dict = field(default_factory=dict)           # node -> [offsets] not yet applied
 
@@ -115,8 +116,7 @@ def scan(region) -> HeapScan:
             s.live_ranges.append((heap_off + k * CHUNK, heap_off + (k + low) * CHUNK))
             k += low
             continue
-        if kind == TAIL:
-            s.problems.append(f"{where}: tail word without its large head")
+        if kind == TAIL:  # no head covers it (_orphan_tails reads the table again)
             k += 1
             continue
         if kind != SMALL or low >= len(geo):
@@ -147,10 +147,28 @@ def scan(region) -> HeapScan:
         s.live_ranges.append((base, base + CHUNK))
         k += 1
     s.by_node = node_stats
+    if _orphan_tails(words):  # or a large alloc under way: read again
+        s.orphan_tails = _orphan_tails(_table(region)[3])
     rfree = alloc_off + rfree_offset(n)
     for node in range(region.nodes):
         _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)
     return s
+
+
+def _orphan_tails(words) -> list:
+    """(chunk, owner) of each tail word that no large head covers.
+
+    A large alloc writes its tails just before its head, under the allocator lock;
+    so a tail seen alone in one read and again in a later one was left by a step
+    cut short (the caller reads twice), and only `Allocator.reclaim` frees it."""
+    out, end, tail = [], 0, None
+    for k, w in enumerate(words):
+        kind, owner, low = table_word(w)
+        if kind == LARGE:
+            end, tail = k + low, table_word_pack(TAIL, owner, k)
+        elif kind == TAIL and not (k < end and w == tail):
+            out.append((k, owner))
+    return out
 
 
 def small_chunk(region, base, nslots):

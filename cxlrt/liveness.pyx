@@ -326,6 +326,7 @@ cdef class Liveness:
         if new_life:
             from cxlrt.lock import forget_node_lines
             forget_node_lines(r)  # no process of this life holds or waits on a lock
+            local.forget_owed()
             inc = (inc + 1) & 0xFFFFFFFFFFFFFFFF or 1
             local.incarnation = inc
         self.V.incarnation = inc

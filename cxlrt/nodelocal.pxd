@@ -52,6 +52,11 @@ ctypedef struct cxl_local_heap:
     uint64_t current[16]      # per size class: chunk index + 1 being carved, 0 none
     uint64_t spare[16]        # per size class: an empty chunk kept to avoid churn, +1
     uint64_t rebuilds         # times the state was rebuilt after a dead holder
+    # A large alloc of this node that may have written table words and handed out
+    # nothing yet: [owed_k, owed_k + owed_n), 0 none. Written under the allocator lock
+    # (not m), so whichever process of the node takes that lock next gives it back.
+    uint64_t owed_k
+    uint64_t owed_n
 
 
 cdef class NodeLocal:

@@ -162,6 +162,12 @@ cdef class NodeLocal:
     def incarnation(self, uint64_t v):
         self.inc[0] = v
 
+    def forget_owed(self):
+        """Drop a large run an earlier life of the node owed (cxl_local_heap.owed_n): other
+        lives may have written the node's words over it since, so giving it back could
+        free theirs. It stays a leak, as a kill in an alloc was before the record."""
+        self.heap.owed_n = 0
+
     def lock_slot(self, int i):
         """Holder pid, tid, global_held, recovered count and pending repair of local
         lock slot i."""

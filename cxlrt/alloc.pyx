@@ -949,35 +949,51 @@ cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept no
     return rc
 
 
-cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0) noexcept nogil:
+cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0,
+                    bint* left) noexcept nogil:
     """Give the run of n chunks at k back to the table (allocator lock held since t0,
-    fence checked, its lines observed). The head first: a process killed part-way
-    leaves orphan tails (a leak that check reports and _reclaim_tails frees), never a
-    short run. A node whose unpublished lines are written back in any order can leave
-    either; as before. The stores are idempotent, so where the medium fails one the whole run is written
-    again (once the head is gone no later free can reach the tails), but only while
-    the lock is still ours: a failing access can outlast the lease, and then the run
-    may be another node's."""
+    fence checked, its lines observed). The head first, published alone: a process
+    killed after it leaves orphan tails (a leak that check reports and _reclaim_tails
+    frees), never a short run, and no line of the run dirty. The stores are
+    idempotent, so where the medium fails one it is written again, but only while the
+    lock is still ours: a failing access can outlast the lease, and then the run may
+    be another node's.
+
+    Once the head is gone the free has happened: no later free can reach the run, and
+    its chunk may be handed out again. So from there on a failure is no error of the
+    free's (0, or CXLRT_E_SUSPECT if the lock may have passed on); *left says the
+    tails may remain, for the caller to reclaim under a hold of its own."""
     cdef int rc = 1, tries = 0
+    left[0] = False
     while rc != 0 and tries < CLEAR_TRIES:
         if tries and _fence(A, t0) != 0:
-            return CXLRT_E_FENCED
+            # The failed store may have landed, and then the chunk may be another's
+            # by now: a retried free could free that. Not acknowledged, not undone.
+            return CXLRT_E_SUSPECT
         tries += 1
         rc = _table_set(A, k, 0)
-        if rc == 0:  # published alone: a kill from here leaves no line of the run dirty
+        if rc == 0:
             rc = cxl_publish(A.r, cxl_chunk_word_off(A.table_off, k), sizeof(uint64_t))
-        if rc == 0 and unlikely(_armed[0]):
-            cxl_crash_hit(b"free.large")
-        if rc == 0 and _fence(A, t0) != 0:
+    if rc != 0:
+        return rc
+    left[0] = n > 1
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"free.large")
+    rc = 1
+    tries = 0
+    while rc != 0 and tries < CLEAR_TRIES and n > 1:
+        if _fence(A, t0) != 0:
             # The lock may have passed on, and with the head gone its holder may take
-            # our tails back (_reclaim_tails) and hand them out: leave them to it. The
-            # free is done, but under a lock that may have been another's.
+            # our tails back (_reclaim_tails) and hand them out: leave them to it.
             return CXLRT_E_SUSPECT
+        tries += 1
+        rc = _table_fill(A, k + 1, n - 1, 0)
         if rc == 0:
-            rc = _table_fill(A, k + 1, n - 1, 0)
+            rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k + 1),
+                             (n - 1) * sizeof(uint64_t))
         if rc == 0:
-            rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
-    return rc
+            left[0] = False
+    return 0
 
 
 cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t* cleared) noexcept nogil:
@@ -986,10 +1002,11 @@ cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t* cleared) noexcep
     A large alloc writes its tails before its head, and a large free clears its head
     before its tails, each under the lock. So under the lock a tail that no head
     covers was left by a step cut short (a kill, or a medium failing past its
-    retries); no free can reach it, and nothing else would ever give it back. Tails
+    retries); no free can reach it, and nothing else would ever give it back. Words
     inside a head's run are the run's, right or wrong (`cxlrt check` reports a wrong
-    one), and are left alone. 0, or an error; *cleared counts the words freed."""
-    cdef uint64_t k = 0, b, at = <uint64_t>-1, w, end = 0, tail = 0, lo = 0, hi = 0
+    tail), and are left alone, as _find_free_run steps over them. 0, or an error;
+    *cleared counts the words freed."""
+    cdef uint64_t k = 0, b, at = <uint64_t>-1, w, end = 0, lo = 0, hi = 0
     cdef uint64_t line[CXL_LINE_WORDS]
     cdef int rc = 0
     cleared[0] = 0
@@ -1002,9 +1019,8 @@ cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t* cleared) noexcep
             at = b
         w = line[k - b]
         if _kind(w) == CXL_CK_LARGE:
-            end = k + _low(w)
-            tail = _word(CXL_CK_TAIL, _owner(w), k)
-        elif _kind(w) == CXL_CK_TAIL and not (k < end and w == tail):
+            end = max(end, k + _low(w))
+        elif _kind(w) == CXL_CK_TAIL and k >= end:
             rc = _fence(A, t0)  # the lock is still ours: no step of another is under way
             if rc == 0:
                 rc = _table_set(A, k, 0)
@@ -1087,11 +1103,22 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
             # leaves the run for the next holder of ours to give back.
             A.heap.owed_k = k
             A.heap.owed_n = n
+            cxl_fence_release()  # the record before any table store
             rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
+            if rc == 0 and n > 1:  # the tails alone first: a kill then leaves no line dirty
+                rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k + 1),
+                                 (n - 1) * sizeof(uint64_t))
+                if rc == 0 and unlikely(_armed[0]):
+                    cxl_crash_hit(b"alloc.large.tails")
+            if rc == 0:
+                # Silent since the tails? Another holder may have taken them back
+                # (_reclaim_tails) and handed the run out: no head of ours over it.
+                rc = _fence(A, t0)
             if rc == 0:
                 rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
             if rc == 0:
-                rc = cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
+                rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k),
+                                                   sizeof(uint64_t)))
                 if rc == 0 and unlikely(_armed[0]):
                     cxl_crash_hit(b"alloc.large")
             if rc == 0:
@@ -1104,6 +1131,11 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     if rc == 0:
         out[0] = _chunk_off(A, k)
+    elif unlikely(A.heap.owed_n != 0) and rc != CXLRT_E_NOMEM:
+        # Fenced, or the medium failed past the give-back: under a hold of our own
+        # again the run goes back now (_alloc_lock settles it), not whenever this
+        # node next takes the lock. If this fails too, that next hold does it.
+        cxl_reclaim(A, &cleared)
     return rc
 
 
@@ -1112,6 +1144,7 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     cdef uint64_t k, w = 0, rel, slot, bw = 0, n, applied = 0, t0 = 0
     cdef uint32_t c, owner
     cdef int rc
+    cdef bint left = False
     cdef cxl_local_heap* h = A.heap
     if off < A.heap_off or off >= A.heap_off + A.nchunks * CHUNK:
         return CXLRT_E_RANGE
@@ -1138,13 +1171,13 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:
             rc = _fence(A, t0)
         if rc == 0:
-            rc = _published(A, t0, _clear_run(A, k, n, t0))
+            rc = _published(A, t0, _clear_run(A, k, n, t0, &left))
         _walk_locked(A, rc)
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
-        if rc == CXLRT_E_SUSPECT:
-            # Silent past the lease mid-free: the tails may be left without their head.
-            # Under a hold of our own again, they go back now rather than at the next
-            # large alloc that runs short.
+        if left:
+            # The tails were left without their head (a silence or the medium): under
+            # a hold of our own again they go back now, not at the next large alloc
+            # that runs short. If this fails too, that alloc does it.
             cxl_reclaim(A, &n)
         return rc
     if _kind(w) != CXL_CK_SMALL:

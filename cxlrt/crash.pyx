@@ -27,6 +27,8 @@ POINTS = {
     "lock.mgr.request": "manager mode: request published, grant not yet seen",
     "lock.mgr.grant": "manager: about to publish a grant",
     "alloc.small": "slot bit set in the owner's bitmap, object not yet returned",
+    "alloc.large.tails": "large alloc: tail words persisted (allocator lock held), head not "
+                         "yet written",
     "alloc.large": "chunk run written to the chunk table (allocator lock held), not yet returned",
     "free.large": "large free: head word cleared (allocator lock held), tail words not yet",
     "free.remote": "remote free: link line written into the object (allocator lock held), "

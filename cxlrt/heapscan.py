@@ -161,12 +161,12 @@ def _orphan_tails(words) -> list:
     A large alloc writes its tails just before its head, under the allocator lock;
     so a tail seen alone in one read and again in a later one was left by a step
     cut short (the caller reads twice), and only `Allocator.reclaim` frees it."""
-    out, end, tail = [], 0, None
+    out, end = [], 0
     for k, w in enumerate(words):
         kind, owner, low = table_word(w)
         if kind == LARGE:
-            end, tail = k + low, table_word_pack(TAIL, owner, k)
-        elif kind == TAIL and not (k < end and w == tail):
+            end = max(end, k + low)  # a wrong tail inside a run is the run's problem
+        elif kind == TAIL and k >= end:
             out.append((k, owner))
     return out
 

@@ -505,7 +505,8 @@ def _step_and_die(spec, node, point):
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("point", ["alloc.small", "alloc.large", "free.local", "free.large"])
+@pytest.mark.parametrize("point", ["alloc.small", "alloc.large.tails", "alloc.large", "free.local",
+                                   "free.large"])
 def test_a_process_killed_mid_step_wedges_nothing(backend, point):
     """Killed holding the heap mutex or the allocator lock: the node's next process
     and the other nodes carry on, and `cxlrt check` finds nothing wrong. A run the

@@ -14,6 +14,7 @@ import signal
 
 import pytest
 
+import cxlrt
 from cxlrt import check, crash
 from cxlrt.lock import LeaseLost
 from tests.nodes import _CTX
@@ -117,3 +118,50 @@ def test_drainer_stalled_past_its_lease_is_fenced(backend):
     assert to_parent.get(timeout=5) == 0
     assert _problems(spec) == []
     r0.close()
+
+
+def _alloc_large_stalled(spec, node, nbytes, out):
+    """In a child: a large alloc stopping between its tails and its head; report it."""
+    import cxlrt
+    r = cxlrt.open(spec, node=node)
+    crash.arm("alloc.large.tails", "stop")
+    try:
+        out.put(("got", r.alloc(nbytes)))
+    except LeaseLost as e:
+        out.put(("LeaseLost", str(e)))
+    crash.disarm()
+    r.close()
+
+
+@pytest.mark.crash
+def test_a_large_alloc_stalled_between_tails_and_head_never_takes_a_run_given_out(backend):
+    """Node 0 stops after writing a run's tails, before its head, past its lease. Node 1,
+    short of room, frees those tails (no head covers them: _reclaim_tails) and is given
+    the run. When node 0 resumes it must not write its head over node 1's run. The
+    review's reproduction of this had node 0's alloc return the run node 1 held."""
+    chunk = 64 << 10
+    r1 = backend.create(nodes=2, node=1, lease=LEASE, size="4M")
+    spec = backend.spec()
+    room = r1.usage()["free_bytes"] // chunk
+    filler = r1.alloc((room - 6) * chunk)  # six chunks left, at the end
+    out = _CTX.Queue()
+    p = _CTX.Process(target=_alloc_large_stalled, args=(spec, 0, 6 * chunk, out))
+    p.start()
+    try:
+        _wait_stopped(p)
+        mine = r1.alloc(6 * chunk)  # waits out node 0's lease, then reclaims its tails
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.join(timeout=30)
+    assert p.exitcode == 0
+    what, got = out.get(timeout=5)
+    assert what == "LeaseLost", f"the resumed alloc handed out {got:#x}; node 1 holds {mine:#x}"
+    assert r1.usage()["large_objects"] == 2
+    assert _problems(spec) == []
+    r1.free(mine)
+    r1.free(filler)
+    with cxlrt.open(spec, node=0) as r0:  # settles its owed record: words not its own stay
+        r0.free(r0.alloc(6 * chunk))
+    assert r1.usage()["free_bytes"] == room * chunk
+    assert _problems(spec) == []
+    r1.close()

@@ -23,12 +23,16 @@ PEEK_EVERY heap-mutex sections of its own allocs and frees, in trim(), drain() a
 `cxlrt check --repair`.
 """
 
+from libc.errno cimport ESRCH, errno
 from libc.stdint cimport uint32_t, uint64_t
+from posix.signal cimport kill
+from posix.types cimport pid_t
 
 from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_observe64, cxl_persist,
                             cxl_publish, cxl_region, cxl_store, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_popcount64,
+from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_pid,
+                                    cxl_popcount64,
                                     unlikely)
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
@@ -983,8 +987,8 @@ cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0,
     tries = 0
     while rc != 0 and tries < CLEAR_TRIES and n > 1:
         if _fence(A, t0) != 0:
-            # The lock may have passed on, and with the head gone its holder may take
-            # our tails back (_reclaim_tails) and hand them out: leave them to it.
+            # The lock may have passed on, and with the head gone a repair under it
+            # may take our tails back and hand them out: leave them to it.
             return CXLRT_E_SUSPECT
         tries += 1
         rc = _table_fill(A, k + 1, n - 1, 0)
@@ -996,53 +1000,77 @@ cdef int _clear_run(cxl_allocctx* A, uint64_t k, uint64_t n, uint64_t t0,
     return 0
 
 
-cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t* cleared) noexcept nogil:
-    """Free every tail word whose run's head is gone (allocator lock held since t0).
+cdef int _clear_line_words(cxl_allocctx* A, uint64_t b, uint32_t mask, uint64_t t0) noexcept nogil:
+    """Zero the words of table line b that `mask` names (bit i: word b + i), then publish
+    them, right after one fence check: a stall between two lines leaves none of ours
+    dirty to be written back, stale, under another node's hold."""
+    cdef uint64_t i, lo = CXL_LINE_WORDS, hi = 0
+    cdef int prc, rc = _fence(A, t0)
+    i = 0
+    while rc == 0 and i < CXL_LINE_WORDS:
+        if mask >> i & 1:
+            rc = _table_set(A, b + i, 0)
+            lo = min(lo, i)
+            hi = i
+        i += 1
+    if lo <= hi:  # what landed in our view goes out even if a later store failed
+        prc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, b + lo),
+                                            (hi + 1 - lo) * sizeof(uint64_t)))
+        if rc == 0:
+            rc = prc
+    return rc
+
+
+cdef int _reclaim_tails(cxl_allocctx* A, uint64_t t0, uint64_t first, uint64_t end_k,
+                        uint64_t want, uint64_t* cleared) noexcept nogil:
+    """Free the tail words of [first, end_k) that no head covers, or only those equal to
+    `want` when it is not 0 (allocator lock held since t0).
 
     A large alloc writes its tails before its head, and a large free clears its head
     before its tails, each under the lock. So under the lock a tail that no head
     covers was left by a step cut short (a kill, or a medium failing past its
     retries); no free can reach it, and nothing else would ever give it back. Words
     inside a head's run are the run's, right or wrong (`cxlrt check` reports a wrong
-    tail), and are left alone, as _find_free_run steps over them. 0, or an error;
-    *cleared counts the words freed."""
-    cdef uint64_t k = 0, b, at = <uint64_t>-1, w, end = 0, lo = 0, hi = 0
+    tail), and are left alone, as _find_free_run steps over them. A head before
+    `first` cannot cover a tail of the range without covering `first`, which the
+    caller knows to be no tail of such a run. 0, or an error; *cleared counts the
+    words freed."""
+    cdef uint64_t k = first, b, w, end = 0
     cdef uint64_t line[CXL_LINE_WORDS]
+    cdef uint32_t mask, got
     cdef int rc = 0
     cleared[0] = 0
-    while k < A.nchunks and rc == 0:
+    while k < end_k and rc == 0:
         b = cxl_line_first_word(k)
-        if b != at:
-            rc = _table_line(A, b, line)
-            if rc != 0:
-                break
-            at = b
-        w = line[k - b]
-        if _kind(w) == CXL_CK_LARGE:
-            end = max(end, k + _low(w))
-        elif _kind(w) == CXL_CK_TAIL and k >= end:
-            rc = _fence(A, t0)  # the lock is still ours: no step of another is under way
+        rc = _table_line(A, b, line)
+        mask = 0
+        got = 0
+        while rc == 0 and k < end_k and cxl_line_first_word(k) == b:
+            w = line[k - b]
+            if _kind(w) == CXL_CK_LARGE:
+                end = max(end, k + _low(w))
+            elif _kind(w) == CXL_CK_TAIL and k >= end and (want == 0 or w == want):
+                mask |= 1u << (k - b)
+                got += 1
+            k += 1
+        if rc == 0 and mask:
+            rc = _clear_line_words(A, b, mask, t0)
             if rc == 0:
-                rc = _table_set(A, k, 0)
-            if rc == 0:
-                if cleared[0] == 0:
-                    lo = k
-                hi = k
-                cleared[0] += 1
-        k += 1
-    if rc == 0 and cleared[0]:
-        rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, lo),
-                                           (hi + 1 - lo) * sizeof(uint64_t)))
+                cleared[0] += got
     return rc
 
 
-cdef int cxl_reclaim(cxl_allocctx* A, uint64_t* cleared) noexcept nogil:
-    """Take the allocator lock and free the tails no head covers (_reclaim_tails)."""
+cdef int cxl_reclaim(cxl_allocctx* A, uint64_t first, uint64_t end_k, uint64_t want,
+                     uint64_t* cleared) noexcept nogil:
+    """Take the allocator lock (which settles what our node owes, _alloc_lock) and free
+    the tails _reclaim_tails finds in [first, end_k)."""
     cdef uint64_t t0 = 0
     cdef int rc = _alloc_lock(A, &t0)
+    cleared[0] = 0
     if rc != 0:
         return rc
-    rc = _reclaim_tails(A, t0, cleared)
+    if first < end_k:
+        rc = _reclaim_tails(A, t0, first, end_k, want, cleared)
     _walk_locked(A, rc)
     cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
     return rc
@@ -1051,31 +1079,41 @@ cdef int cxl_reclaim(cxl_allocctx* A, uint64_t* cleared) noexcept nogil:
 cdef int _settle_owed(cxl_allocctx* A, uint64_t t0) noexcept nogil:
     """Give back the run our node's large alloc wrote and did not hand out (allocator
     lock held since t0): its head, then its tails, each only where the table still
-    holds that alloc's word. Only our node writes words that name it, and each of its
-    processes settles before it allocates a run, so a word that matches is that
-    alloc's; a word another node wrote over a chunk already given back does not match.
-    Idempotent: a process killed part-way leaves it owed for the next. 0, or an error
-    (then it stays owed)."""
+    holds that alloc's word, a table line at a time (_clear_line_words). Only our node
+    writes words that name it, and each of its processes settles before it allocates
+    a run, so a word that matches is that alloc's; a word another node wrote over a
+    chunk already given back does not match. Idempotent: a process killed part-way
+    leaves it owed for the next. 0, or an error (then it stays owed).
+
+    Not a record whose writer died: it may have died between a store and its
+    publish, and its lines, dirty in this host's cache, are written back whenever
+    they are, stale, maybe over a run another node has been given since the lease
+    broke its hold. Words read back from there are not that alloc's to clear. Such a
+    record is dropped, and the run is the leak a kill there always left."""
     cdef cxl_local_heap* h = A.heap
-    cdef uint64_t k = h.owed_k, n = h.owed_n, i, w = 0, want
+    cdef uint64_t k = h.owed_k, n = h.owed_n, i, w = 0, want, b
+    cdef uint32_t mask
     cdef int rc
+    if h.owed_pid != <uint32_t>cxl_pid() and kill(<pid_t>h.owed_pid, 0) != 0 \
+            and errno == ESRCH:
+        h.owed_n = 0
+        return 0
     if k >= A.nchunks or n > A.nchunks - k:
         h.owed_n = 0  # a torn record: not ours to trust (a leak check reports)
         return CXLRT_E_CORRUPT
     rc = cxl_flush(A.r, cxl_chunk_word_off(A.table_off, k), n * sizeof(uint64_t))
     i = 0
     while rc == 0 and i < n:
-        want = _word(CXL_CK_LARGE, A.node, n) if i == 0 else _word(CXL_CK_TAIL, A.node, k)
-        rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, k + i), &w)
-        if rc == 0 and w == want:
-            rc = _fence(A, t0)
-            if rc == 0:
-                rc = _table_set(A, k + i, 0)
-            cxl_fence_release()  # the head before the tails: never a short run
-        i += 1
-    if rc == 0:
-        rc = _published(A, t0, cxl_persist(A.r, cxl_chunk_word_off(A.table_off, k),
-                                           n * sizeof(uint64_t)))
+        b = cxl_line_first_word(k + i)
+        mask = 0
+        while rc == 0 and i < n and cxl_line_first_word(k + i) == b:
+            want = _word(CXL_CK_LARGE, A.node, n) if i == 0 else _word(CXL_CK_TAIL, A.node, k)
+            rc = cxl_load64(A.r, cxl_chunk_word_off(A.table_off, k + i), &w)
+            if rc == 0 and w == want:
+                mask |= 1u << (k + i - b)
+            i += 1
+        if rc == 0 and mask:  # the head's line first: never a short run
+            rc = _clear_line_words(A, b, mask, t0)
     if rc == 0:
         h.owed_n = 0
     return rc
@@ -1092,8 +1130,6 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
         rc = _settle_owed(A, t0)  # a run of ours whose words match would be taken for it
     if rc == 0:
         rc = _find_free_run(A, n, &k)
-    if rc == CXLRT_E_NOMEM and _reclaim_tails(A, t0, &cleared) == 0 and cleared:
-        rc = _find_free_run(A, n, &k)  # room that steps cut short had stranded
     if rc == 0:
         CXL_ASSERT(k + n <= A.nchunks, b"a free run past the end of the table")
     if rc == 0:
@@ -1102,6 +1138,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
             # Owed until the caller has it: a kill or a failed access from here on
             # leaves the run for the next holder of ours to give back.
             A.heap.owed_k = k
+            A.heap.owed_pid = <uint32_t>cxl_pid()
             A.heap.owed_n = n
             cxl_fence_release()  # the record before any table store
             rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))
@@ -1111,8 +1148,8 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
                 if rc == 0 and unlikely(_armed[0]):
                     cxl_crash_hit(b"alloc.large.tails")
             if rc == 0:
-                # Silent since the tails? Another holder may have taken them back
-                # (_reclaim_tails) and handed the run out: no head of ours over it.
+                # Silent since the tails? A repair under another hold may have taken
+                # them back and handed the run out: no head of ours over it.
                 rc = _fence(A, t0)
             if rc == 0:
                 rc = _table_set(A, k, _word(CXL_CK_LARGE, A.node, n))
@@ -1135,7 +1172,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
         # Fenced, or the medium failed past the give-back: under a hold of our own
         # again the run goes back now (_alloc_lock settles it), not whenever this
         # node next takes the lock. If this fails too, that next hold does it.
-        cxl_reclaim(A, &cleared)
+        cxl_reclaim(A, 0, 0, 0, &cleared)
     return rc
 
 
@@ -1176,9 +1213,10 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         cxl_lock_release(A.L, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY)
         if left:
             # The tails were left without their head (a silence or the medium): under
-            # a hold of our own again they go back now, not at the next large alloc
-            # that runs short. If this fails too, that alloc does it.
-            cxl_reclaim(A, &n)
+            # a hold of our own again they go back now, those of this run only (words
+            # elsewhere are not ours to judge). If this fails too, they are a leak
+            # that `cxlrt check` names and --repair frees.
+            cxl_reclaim(A, k, k + n, _word(CXL_CK_TAIL, _owner(w), k), &slot)
         return rc
     if _kind(w) != CXL_CK_SMALL:
         return CXLRT_E_CORRUPT
@@ -1373,12 +1411,15 @@ cdef class Allocator:
 
     def reclaim(self):
         """Free chunk-table tail words whose large head is gone (left by a large alloc or
-        free cut short); returns how many. The allocator also does this by itself
-        before it reports a large alloc out of memory."""
+        free cut short, which `cxlrt check` reports as a leak); returns how many.
+        `cxlrt check --repair` calls it. A free that leaves its own run's tails
+        frees them by itself; nothing else sweeps the table: a tail that looks
+        orphaned may also be a dead process's stale line written back late, and
+        that is for a person to look at first."""
         cdef uint64_t cleared = 0
         cdef int rc
         with nogil:
-            rc = cxl_reclaim(&self.A, &cleared)
+            rc = cxl_reclaim(&self.A, 0, self.A.nchunks, 0, &cleared)
         if rc != 0:
             self._raise(rc, "reclaim")
         return cleared

@@ -64,8 +64,10 @@ def check(spec: str) -> dict[str, Any]:
                             "carved (a crash mid-carve)")
         for k, owner in s.orphan_tails:
             problems.append(f"leak: chunk {k} is a tail of node {owner}'s large run whose head "
-                            "is gone (an alloc or free cut short); the next large alloc that "
-                            "runs out of room, or --repair, frees it")
+                            "is gone (an alloc or free cut short); --repair frees it. A "
+                            "process killed between a table store and its publish can "
+                            "leave the same picture over a live run, when its host writes "
+                            "the stale line back late: know that no node holds a run there")
         for node, offs in s.queued.items():
             if nodes[node]["dead"]:
                 problems.append(f"node {node} is dead with {len(offs)} queued remote frees")

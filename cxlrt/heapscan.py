@@ -147,8 +147,9 @@ def scan(region) -> HeapScan:
         s.live_ranges.append((base, base + CHUNK))
         k += 1
     s.by_node = node_stats
-    if _orphan_tails(words):  # or a large alloc under way: read again
-        s.orphan_tails = _orphan_tails(_table(region)[3])
+    first = _orphan_tails(words)
+    if first:  # or a large alloc under way: only those a second read still shows alone
+        s.orphan_tails = sorted(set(first) & set(_orphan_tails(_table(region)[3])))
     rfree = alloc_off + rfree_offset(n)
     for node in range(region.nodes):
         _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)

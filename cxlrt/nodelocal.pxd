@@ -57,6 +57,8 @@ ctypedef struct cxl_local_heap:
     # (not m), so whichever process of the node takes that lock next gives it back.
     uint64_t owed_k
     uint64_t owed_n
+    uint32_t owed_pid         # the process that wrote it
+    uint32_t pad1
 
 
 cdef class NodeLocal:

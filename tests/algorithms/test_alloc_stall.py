@@ -135,10 +135,11 @@ def _alloc_large_stalled(spec, node, nbytes, out):
 
 @pytest.mark.crash
 def test_a_large_alloc_stalled_between_tails_and_head_never_takes_a_run_given_out(backend):
-    """Node 0 stops after writing a run's tails, before its head, past its lease. Node 1,
-    short of room, frees those tails (no head covers them: _reclaim_tails) and is given
-    the run. When node 0 resumes it must not write its head over node 1's run. The
-    review's reproduction of this had node 0's alloc return the run node 1 held."""
+    """Node 0 stops after writing a run's tails, before its head, past its lease. Node 1
+    finds no room (the tails hold it), frees those tails as `cxlrt check --repair`
+    does (no head covers them) and is given the run. When node 0 resumes it must not
+    write its head over node 1's run. A review's reproduction of this had node 0's
+    alloc return the run node 1 held."""
     chunk = 64 << 10
     r1 = backend.create(nodes=2, node=1, lease=LEASE, size="4M")
     spec = backend.spec()
@@ -149,7 +150,10 @@ def test_a_large_alloc_stalled_between_tails_and_head_never_takes_a_run_given_ou
     p.start()
     try:
         _wait_stopped(p)
-        mine = r1.alloc(6 * chunk)  # waits out node 0's lease, then reclaims its tails
+        with pytest.raises(cxlrt.OutOfMemory):  # waits out node 0's lease first
+            r1.alloc(6 * chunk)
+        assert r1._allocator.reclaim() == 5
+        mine = r1.alloc(6 * chunk)
     finally:
         os.kill(p.pid, signal.SIGCONT)
         p.join(timeout=30)

@@ -1076,6 +1076,24 @@ cdef int cxl_reclaim(cxl_allocctx* A, uint64_t first, uint64_t end_k, uint64_t w
     return rc
 
 
+cdef uint64_t _token = 0
+cdef int _token_pid = 0
+
+
+cdef uint64_t _process_token() noexcept nogil:
+    """A number that names this process among those a pid could name: drawn from the
+    clock when the pid changes (a fork), so a process that reuses a dead one's pid,
+    or has its pid in another namespace, has another. Called under the allocator lock
+    only, whose node-local mutex keeps our own threads out of each other's draw."""
+    global _token, _token_pid
+    if _token_pid != cxl_pid():
+        _token = (cxl_now_ns() * <uint64_t>0x9E3779B97F4A7C15) ^ <uint64_t>cxl_pid()
+        if _token == 0:
+            _token = 1
+        _token_pid = cxl_pid()
+    return _token
+
+
 cdef int _settle_owed(cxl_allocctx* A, uint64_t t0) noexcept nogil:
     """Give back the run our node's large alloc wrote and did not hand out (allocator
     lock held since t0): its head, then its tails, each only where the table still
@@ -1094,9 +1112,9 @@ cdef int _settle_owed(cxl_allocctx* A, uint64_t t0) noexcept nogil:
     cdef uint64_t k = h.owed_k, n = h.owed_n, i, w = 0, want, b
     cdef uint32_t mask
     cdef int rc
-    if h.owed_pid != <uint32_t>cxl_pid() and kill(<pid_t>h.owed_pid, 0) != 0 \
-            and errno == ESRCH:
-        h.owed_n = 0
+    if h.owed_tok != _process_token() and (h.owed_pid == <uint32_t>cxl_pid() or (
+            kill(<pid_t>h.owed_pid, 0) != 0 and errno == ESRCH)):
+        h.owed_n = 0  # its writer is gone: our pid is not its process, or no process is
         return 0
     if k >= A.nchunks or n > A.nchunks - k:
         h.owed_n = 0  # a torn record: not ours to trust (a leak check reports)
@@ -1139,6 +1157,7 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
             # leaves the run for the next holder of ours to give back.
             A.heap.owed_k = k
             A.heap.owed_pid = <uint32_t>cxl_pid()
+            A.heap.owed_tok = _process_token()
             A.heap.owed_n = n
             cxl_fence_release()  # the record before any table store
             rc = _table_fill(A, k + 1, n - 1, _word(CXL_CK_TAIL, A.node, k))

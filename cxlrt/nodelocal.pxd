@@ -57,8 +57,9 @@ ctypedef struct cxl_local_heap:
     # (not m), so whichever process of the node takes that lock next gives it back.
     uint64_t owed_k
     uint64_t owed_n
-    uint32_t owed_pid         # the process that wrote it
-    uint32_t pad1
+    uint32_t owed_pid         # the process that wrote it, and a token of that process
+    uint32_t pad1             # (a pid alone names a new process after reuse or in
+    uint64_t owed_tok         # another pid namespace)
 
 
 cdef class NodeLocal:

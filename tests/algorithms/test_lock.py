@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -479,7 +480,17 @@ def _state(pid: int) -> str:
 
 
 def _manager_then_wait(spec, ready, go):
-    r = cxlrt.open(spec, node=1, lock_manager=True)
+    for attempt in range(3):
+        try:
+            r = cxlrt.open(spec, node=1, lock_manager=True)
+            break
+        except cxlrt.LeaseLost as e:
+            # This process stalled past the 0.5 s lease while it claimed the manager
+            # role (CI saw "no beat published for 1.547 s" beside the lab's guests): a
+            # loaded host, not what this test is about. open() closed the region.
+            print(f"manager start {attempt + 1} of 3: {e}", file=sys.stderr)
+            if attempt == 2:
+                raise
     ready.set()
     go.wait(60)
     r.close()

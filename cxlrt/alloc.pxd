@@ -11,6 +11,14 @@
 #    a free never fails for lack of room. The owner applies it in batches: it commits
 #    a batch to its journal line, empties the queue, then clears the bits; a drainer
 #    killed anywhere is replayed under the heap mutex before that node allocates again.
+#  - A thread keeps up to CXL_MAG_SLOTS freed objects per small class in its magazine,
+#    a record in the node-local file, bits still set, and allocates from it first
+#    with no lock. Only it pushes and pops; a record is given back (bits cleared,
+#    count lowered first) under the heap mutex by its thread, by Allocator.close, or
+#    by anyone of the node once its thread is surely gone. A cached object carries a
+#    published tag word (derived from the region and its offset, so every node can
+#    tell it): a second free of it by our node looks in every record instead of
+#    caching it twice, and another node's is refused rather than queued.
 #  - Large objects are runs of whole chunks; any node frees them under the lock.
 #  - Every write under the allocator lock is fenced: the holder first asks its own
 #    clock whether it was silent past the lease since it began to acquire (then
@@ -21,7 +29,7 @@ from libc.stdint cimport uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
 from cxlrt.lock cimport LockService, cxl_lockctx
-from cxlrt.nodelocal cimport cxl_local_heap
+from cxlrt.nodelocal cimport cxl_local_heap, cxl_local_mag
 
 
 cdef enum:
@@ -40,7 +48,11 @@ ctypedef struct cxl_allocctx:
     uint64_t max_objects      # bound on any walk of a remote-free list (cycle guard)
     uint32_t node
     uint32_t nodes
-    uint32_t ticks            # this process's heap-mutex sections, for periodic queue peeks
+    uint32_t ticks            # this process's allocs and frees, for periodic queue peeks
+    cxl_local_mag* mags       # the node's magazine records (node-local file)
+    uint64_t mag_owner        # this Allocator's id in its process; 0: no magazines
+    uint64_t pidns            # inode of our pid namespace (a record's liveness is asked there)
+    uint64_t tag_key          # a cached object's tag word is tag_key ^ its offset (any node's)
 
 
 cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil
@@ -70,3 +82,4 @@ cdef class Allocator:
     cdef cxl_allocctx A
     cdef readonly object region
     cdef LockService _svc               # keeps A.L alive
+    cdef readonly unsigned long long swept_at_attach  # magazines of gone threads given back

@@ -31,9 +31,9 @@ from posix.types cimport pid_t
 from cxlrt.backend cimport (cxl_flush, cxl_load, cxl_load64, cxl_observe64, cxl_persist,
                             cxl_publish, cxl_region, cxl_store, cxl_store64)
 from cxlrt.crash cimport cxl_crash_armed_ptr, cxl_crash_hit
-from cxlrt.includes.intrin cimport (cxl_ctz64, cxl_fence_release, cxl_now_ns, cxl_pid,
-                                    cxl_popcount64,
-                                    unlikely)
+from cxlrt.includes.intrin cimport (cxl_atomic_load_acquire32, cxl_ctz64, cxl_fence_release,
+                                    cxl_now_ns, cxl_pid, cxl_popcount64, cxl_thread_id,
+                                    likely, unlikely)
 from cxlrt.includes.intrin cimport CXL_ASSERT, CXL_ASSERT2, CXLRT_DEBUG
 from cxlrt.includes.thread cimport cxl_atomic_load_acquire64, cxl_sleep_ns
 from cxlrt.layout cimport (CXL_CHUNK, CXL_CK_LARGE, CXL_CK_SMALL, CXL_CK_TAIL, CXL_LINE_SIZE,
@@ -56,11 +56,22 @@ from cxlrt.lock cimport (CXL_HELD_HEAP, CXL_LOCK_ALLOC, CXL_LOCK_BAKERY, LockSer
                          cxl_local_mutex_enter, cxl_local_mutex_exit, cxl_lock_acquire,
                          cxl_lock_release)
 from cxlrt.lock cimport cxl_lock_held
-from cxlrt.nodelocal cimport NodeLocal, cxl_local_heap
+from cxlrt.nodelocal cimport (CXL_LOCAL_MAG_BYTES, CXL_LOCAL_MAGS, CXL_MAG_CLASSES,
+                              CXL_MAG_SLOTS, NodeLocal, cxl_local_heap, cxl_local_mag)
 from cxlrt.status cimport (CXLRT_E_BADFREE, CXLRT_E_CORRUPT, CXLRT_E_DOUBLEFREE, CXLRT_E_FENCED,
                            CXLRT_E_NOMEM, CXLRT_E_RANGE, CXLRT_E_SUSPECT, check_rc)
 
+import os
+
 from cxlrt.errors import OutOfMemory, OutOfRangeError, RegionError
+
+
+cdef extern from "cxl_mag.h" nogil:
+    void* cxl_mag_find(uint64_t owner, int pid)
+    void cxl_mag_remember(uint64_t owner, int pid, void* rec)
+    void cxl_mag_forget(uint64_t owner)
+    int cxl_thread_gone(int pid, int tid)
+    void cxl_compiler_barrier()
 
 
 
@@ -73,6 +84,7 @@ cdef enum:
     AWAIT_SLICE_NS = 200000   # polling period while we wait for our own first beat after a stall
     CLEAR_TRIES = 3           # writes of a freed run whose medium failed (_clear_run)
     CARVE_TRIES = 3           # writes of a fresh chunk's header whose medium failed (_carve)
+    TAG_WORD = 56             # a cached object's tag: past the link words a remote free writes
 
 # Crash points (cxlrt.crash): one load and one predictable branch when unarmed.
 cdef int* _armed = cxl_crash_armed_ptr()
@@ -621,7 +633,7 @@ cdef bint _queued(cxl_allocctx* A, uint64_t q, uint64_t head, uint64_t x) noexce
 
 
 cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
-                      uint64_t slot) noexcept nogil:
+                      uint32_t c, uint64_t slot) noexcept nogil:
     """Queue another node's object for its owner; never fails for lack of room.
 
     CXLRT_E_FENCED: we stalled past the lease holding the lock and published nothing
@@ -629,7 +641,7 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
     CXLRT_E_SUSPECT: the stall came during the publish; the free may have happened.
     """
     cdef uint64_t q, bm, bw = 0, head = 0, count = 0, seq = 0, nxt = 0, mark = 0, batch = 0
-    cdef uint64_t t0 = 0, jw = 0
+    cdef uint64_t t0 = 0, jw = 0, tag = 0
     cdef int rc
     bm = cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot))  # the owner's: still live?
     rc = cxl_flush(A.r, bm, sizeof(uint64_t))
@@ -648,6 +660,10 @@ cdef int _free_remote(cxl_allocctx* A, uint64_t off, uint32_t owner, uint64_t k,
         rc = _link_read(A, off, &nxt, &mark, &batch)
     if rc == 0 and mark == (CXL_RFREE_PENDING ^ off) and _queued(A, q, head, off):
         rc = CXLRT_E_DOUBLEFREE  # queued already: freed twice before the owner drained
+    if rc == 0 and c < CXL_MAG_CLASSES:
+        rc = cxl_load64(A.r, off + TAG_WORD, &tag)  # in the line _link_read observed
+        if rc == 0 and tag == _mag_tag(A, off):
+            rc = CXLRT_E_DOUBLEFREE  # freed by its owner already, and cached in a magazine
     if rc == 0:
         # The object is ours (the freer's) until it is on the list: link it and publish
         # the link, then the head that makes the owner follow it. A crash in between
@@ -729,7 +745,10 @@ cdef int _journal_apply(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         elif mark != (CXL_RFREE_APPLIED ^ x) or batch != js:
             rc = 1  # not a list of this batch
             break
-        rc = _clear_slot(A, k, c, slot, &left)
+        if _mag_holds(A, c, x):
+            rc = CXLRT_E_DOUBLEFREE  # freed here too, and cached: the cache keeps it
+        else:
+            rc = _clear_slot(A, k, c, slot, &left)
         if rc == 0:
             applied[0] += 1
             if left == 0 and nempty < RELEASE_HINTS:
@@ -849,6 +868,7 @@ cdef int _heap_lock(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
         h.current[i] = 0
         h.spare[i] = 0
     h.rebuilds += 1
+    _mag_recover(A)
     rc = _journal_apply(A, applied)
     if rc != 0:
         cxl_local_mutex_exit(A.L, &h.m, CXL_HELD_HEAP)
@@ -863,6 +883,308 @@ cdef int cxl_drain(cxl_allocctx* A, uint64_t* applied) noexcept nogil:
     rc = _drain_locked(A, applied)
     cxl_local_mutex_exit(A.L, &A.heap.m, CXL_HELD_HEAP)
     return rc
+
+
+# --- magazines (per-thread caches of freed small objects; see alloc.pxd) ------------------
+#
+# A record's count moves only after its slots: a push writes the slot, then raises the
+# count; a pop lowers the count, then hands the slot out; a give-back (_mag_drop) notes
+# what it drops in the heap, lowers the count, then clears the bit. A thread killed
+# anywhere leaves at most its one object in flight unaccounted (a leak, as at
+# alloc.small), never an object both cached and free.
+
+cdef inline cxl_local_mag* _mag_at(cxl_allocctx* A, uint32_t i) noexcept nogil:
+    return <cxl_local_mag*>(<char*>A.mags + <size_t>i * CXL_LOCAL_MAG_BYTES)
+
+
+cdef inline cxl_local_mag* _mag_mine(cxl_allocctx* A) noexcept nogil:
+    """This thread's record for this Allocator, or NULL (none yet, none to be had, or
+    magazines off). `1` marks a claim that found no free record: not asked again."""
+    cdef void* p
+    if A.mag_owner == 0:
+        return NULL
+    p = cxl_mag_find(A.mag_owner, cxl_pid())
+    if p == <void*>1:
+        return NULL
+    return <cxl_local_mag*>p
+
+
+cdef inline uint64_t _mag_tag(cxl_allocctx* A, uint64_t x) noexcept nogil:
+    return A.tag_key ^ x
+
+
+cdef inline bint _mag_closing(cxl_allocctx* A) noexcept nogil:
+    return cxl_atomic_load_acquire32(&A.L.closing) != 0
+
+
+cdef bint _mag_dead(cxl_allocctx* A, cxl_local_mag* m) noexcept nogil:
+    """The record's thread surely runs no more. Asked only of our own pid namespace:
+    elsewhere a pid names another process, and a live owner's record given back
+    would have its objects handed out twice; there it stays, a leak."""
+    return m.pid != 0 and A.pidns != 0 and m.pidns == A.pidns \
+        and cxl_thread_gone(<int>m.pid, <int>m.tid) != 0
+
+
+cdef bint _mag_holds(cxl_allocctx* A, uint32_t c, uint64_t x) noexcept nogil:
+    """x is cached in some thread's record (heap mutex held): a free of it is a double free."""
+    cdef cxl_local_mag* m
+    cdef uint32_t i, j, n
+    if c >= CXL_MAG_CLASSES:
+        return False
+    for i in range(CXL_LOCAL_MAGS):
+        m = _mag_at(A, i)
+        if m.pid == 0:
+            continue
+        n = m.n[c] if m.n[c] <= CXL_MAG_SLOTS else CXL_MAG_SLOTS
+        for j in range(n):
+            if m.slot[c][j] == x:
+                return True
+    return False
+
+
+cdef int _mag_unset(cxl_allocctx* A, uint64_t x, uint32_t c, bint* kept) noexcept nogil:
+    """Clear a dropped object's bit (heap mutex held). 0 also when it is clear already
+    (a replay) or x is no slot of ours of class c (a torn record: left alone). On a
+    failure, *kept says whether the bit may still be set (then x may stay cached)."""
+    cdef uint64_t k = 0, slot = 0, left = 0, w = 0
+    cdef uint32_t cc = 0
+    cdef int rc = _slot_of(A, x, &k, &cc, &slot)
+    kept[0] = False
+    if rc == 1 or (rc == 0 and cc != c):
+        return 0
+    if rc != 0:
+        kept[0] = True
+        return rc
+    rc = _clear_slot(A, k, c, slot, &left)
+    if rc == CXLRT_E_DOUBLEFREE:
+        return 0
+    if rc != 0:
+        kept[0] = cxl_load64(A.r, cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot)),
+                             &w) != 0 or (w & cxl_bitmap_mask(slot)) != 0
+        return rc
+    if left == 0 and A.heap.current[c] != k + 1:
+        _kept(A, _maybe_release(A, A.heap, k, c))  # the drop is done either way
+    return 0
+
+
+cdef int _mag_untag(cxl_allocctx* A, uint64_t x) noexcept nogil:
+    """Clear a cached object's tag, published, before it is handed out or given back (a
+    tag left on a live object makes other nodes refuse its free). Any copy of the
+    line goes first: storing into a stale one would write its other words back stale."""
+    cdef int rc = cxl_flush(A.r, x + TAG_WORD, sizeof(uint64_t))
+    if rc == 0:
+        rc = cxl_store64(A.r, x + TAG_WORD, 0)
+    if rc == 0:
+        rc = cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t))
+    return rc
+
+
+cdef int _mag_drop(cxl_allocctx* A, uint32_t ri, uint32_t c) noexcept nogil:
+    """Give back the top object of record ri's class c (heap mutex held, the record's
+    thread not pushing or popping): noted in the heap, the count lowered, the tag
+    and then the bit cleared, the note cleared. On a failure that may have left the bit set the
+    object stays cached and the error is returned."""
+    cdef cxl_local_heap* h = A.heap
+    cdef cxl_local_mag* m = _mag_at(A, ri)
+    cdef uint32_t i = m.n[c] - 1
+    cdef uint64_t x = m.slot[c][i]
+    cdef bint kept = False
+    cdef int rc
+    h.drop_rec = ri
+    h.drop_c = c
+    h.drop_i = i
+    cxl_compiler_barrier()
+    h.drop_x = x
+    cxl_compiler_barrier()
+    m.n[c] = i
+    cxl_compiler_barrier()
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"free.mag.drop")
+    rc = _mag_untag(A, x)
+    if rc == 0:
+        rc = _mag_unset(A, x, c, &kept)
+    else:
+        kept = True
+    if kept:
+        m.n[c] = i + 1  # still set: still cached (the slot was never overwritten)
+    cxl_compiler_barrier()
+    h.drop_x = 0
+    return rc
+
+
+cdef int _mag_flush(cxl_allocctx* A, uint32_t ri, uint32_t keep) noexcept nogil:
+    """Give back all but `keep` objects of each class of record ri (heap mutex held)."""
+    cdef cxl_local_mag* m = _mag_at(A, ri)
+    cdef uint32_t c
+    cdef int rc
+    for c in range(CXL_MAG_CLASSES):
+        if m.n[c] > CXL_MAG_SLOTS:
+            m.n[c] = CXL_MAG_SLOTS  # torn: what lies past the slots was never cached
+        while m.n[c] > keep:
+            rc = _mag_drop(A, ri, c)
+            if rc != 0:
+                return rc
+    return 0
+
+
+cdef int _mag_flush_class(cxl_allocctx* A, uint32_t ri, uint32_t c, uint32_t keep) noexcept nogil:
+    """Give back all but `keep` of record ri's class-c objects (heap mutex held)."""
+    cdef int rc
+    while _mag_at(A, ri).n[c] > keep:
+        rc = _mag_drop(A, ri, c)
+        if rc != 0:
+            return rc
+    return 0
+
+
+cdef void _mag_recover(cxl_allocctx* A) noexcept nogil:
+    """Finish a give-back a dead heap-mutex holder left half done (heap mutex held, and
+    nothing allocated since it died, so a bit still set is the dropped object's)."""
+    cdef cxl_local_heap* h = A.heap
+    cdef cxl_local_mag* m
+    cdef uint64_t x = h.drop_x
+    cdef bint kept = False
+    if x == 0:
+        return
+    if h.drop_rec < CXL_LOCAL_MAGS and h.drop_c < CXL_MAG_CLASSES and h.drop_i < CXL_MAG_SLOTS:
+        m = _mag_at(A, h.drop_rec)
+        if m.n[h.drop_c] > h.drop_i and m.slot[h.drop_c][h.drop_i] == x:
+            m.n[h.drop_c] = h.drop_i
+        if _mag_untag(A, x) != 0:
+            return  # the note stays: the next holder tries again
+        _mag_unset(A, x, h.drop_c, &kept)
+        if kept:
+            return  # the note stays: the next holder tries again
+    h.drop_x = 0
+
+
+cdef uint64_t _mag_sweep(cxl_allocctx* A) noexcept nogil:
+    """Give back the records of threads that are gone (heap mutex held); how many."""
+    cdef cxl_local_mag* m
+    cdef uint32_t i
+    cdef uint64_t n = 0
+    for i in range(CXL_LOCAL_MAGS):
+        m = _mag_at(A, i)
+        if _mag_dead(A, m) and _mag_flush(A, i, 0) == 0:
+            m.pid = 0
+            n += 1
+    return n
+
+
+cdef cxl_local_mag* _mag_claim(cxl_allocctx* A) noexcept nogil:
+    """This thread's record, claimed now if it has none (heap mutex held); NULL when
+    every record is a live thread's (the thread then goes without)."""
+    cdef cxl_local_mag* m = _mag_mine(A)
+    cdef uint32_t i, c, pid = <uint32_t>cxl_pid(), tid = cxl_thread_id()
+    cdef int free_i = -1
+    if m != NULL or A.mag_owner == 0:
+        return m
+    if cxl_mag_find(A.mag_owner, cxl_pid()) == <void*>1:
+        return NULL
+    for i in range(CXL_LOCAL_MAGS):
+        m = _mag_at(A, i)
+        if m.pid == pid and m.tid == tid and m.owner == A.mag_owner and m.pidns == A.pidns:
+            free_i = i  # ours already (our cache of it was evicted)
+            break
+        if m.pid == 0 and free_i < 0:
+            free_i = i
+    if free_i < 0 and _mag_sweep(A):
+        for i in range(CXL_LOCAL_MAGS):
+            if _mag_at(A, i).pid == 0:
+                free_i = i
+                break
+    if free_i < 0:
+        cxl_mag_remember(A.mag_owner, cxl_pid(), <void*>1)
+        return NULL
+    m = _mag_at(A, free_i)
+    if m.pid != pid:
+        m.tid = tid
+        m.pidns = A.pidns
+        m.owner = A.mag_owner
+        for c in range(8):
+            m.n[c] = 0
+        cxl_compiler_barrier()
+        m.pid = pid  # last: a record is claimed only once it says whose it is
+    cxl_mag_remember(A.mag_owner, cxl_pid(), m)
+    return m
+
+
+cdef inline uint32_t _mag_index(cxl_allocctx* A, cxl_local_mag* m) noexcept nogil:
+    return <uint32_t>((<char*>m - <char*>A.mags) // CXL_LOCAL_MAG_BYTES)
+
+
+cdef inline int _mag_push(cxl_allocctx* A, cxl_local_mag* m, uint32_t c, uint64_t x) noexcept nogil:
+    """Cache our freed object x (its bit still set; room checked by the caller; its tag
+    line observed, so no stale copy of it is stored into): the tag, published (its line must not be left dirty here for a remote free of it to
+    be written over later), then the slot, then the count."""
+    cdef uint32_t i = m.n[c]
+    cdef int rc = cxl_store64(A.r, x + TAG_WORD, _mag_tag(A, x))  # the caller observed the line
+    if rc == 0:
+        rc = cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t))
+    if rc != 0:
+        return rc  # not cached, bit set: the free did not happen (a stray tag only costs a look)
+    m.slot[c][i] = x
+    cxl_compiler_barrier()
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"free.mag")
+    m.n[c] = i + 1
+    return 0
+
+
+cdef inline int _mag_pop(cxl_allocctx* A, cxl_local_mag* m, uint32_t c, uint64_t* out) noexcept nogil:
+    """Hand out our newest cached object of class c (the caller saw one): the count
+    lowered, then the tag cleared and published; a failure puts it back."""
+    cdef uint32_t i = m.n[c] - 1
+    cdef uint64_t x = m.slot[c][i]
+    cdef int rc
+    m.n[c] = i
+    cxl_compiler_barrier()
+    if unlikely(_armed[0]):
+        cxl_crash_hit(b"alloc.mag")
+    rc = _mag_untag(A, x)
+    if rc != 0:
+        m.n[c] = i + 1
+        return rc
+    out[0] = x
+    return 0
+
+
+cdef int cxl_mag_sweep(cxl_allocctx* A, uint64_t* swept) noexcept nogil:
+    """Take the heap mutex and give back the records of threads that are gone."""
+    cdef uint64_t applied = 0
+    cdef int rc = _heap_lock(A, &applied)
+    if rc != 0:
+        return rc
+    swept[0] = _mag_sweep(A)
+    cxl_local_mutex_exit(A.L, &A.heap.m, CXL_HELD_HEAP)
+    return 0
+
+
+cdef int cxl_mag_close(cxl_allocctx* A) noexcept nogil:
+    """Give back every record of this Allocator in this process (Region.close): its
+    threads stop caching first. A record whose give-back failed stays for a sweep
+    once this process is gone."""
+    cdef uint64_t applied = 0, owner = A.mag_owner
+    cdef cxl_local_mag* m
+    cdef uint32_t i, pid = <uint32_t>cxl_pid()
+    cdef int rc, first = 0
+    if owner == 0:
+        return 0
+    A.mag_owner = 0
+    cxl_mag_forget(owner)
+    rc = _heap_lock(A, &applied)
+    if rc != 0:
+        return rc
+    for i in range(CXL_LOCAL_MAGS):
+        m = _mag_at(A, i)
+        if m.pid == pid and m.owner == owner and m.pidns == A.pidns:
+            rc = _mag_flush(A, i, 0)
+            if rc == 0:
+                m.pid = 0
+            elif first == 0:
+                first = rc
+    cxl_local_mutex_exit(A.L, &A.heap.m, CXL_HELD_HEAP)
+    return first
 
 
 cdef int _scan_own(cxl_allocctx* A, uint32_t c, uint64_t skip, uint64_t* found) noexcept nogil:
@@ -927,19 +1249,33 @@ cdef int _alloc_slow(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil:
 cdef int cxl_alloc_small(cxl_allocctx* A, uint32_t c, uint64_t* out) noexcept nogil:
     """Allocate one class-c object for this node.
 
-    Budget: the heap mutex, then one load, one store and one persist of a bitmap
-    word; no global lock, no flush of anything else (a look at our remote-free
-    queue, one observed line, every PEEK_EVERY calls).
+    Budget: from this thread's magazine, no lock: a pop and one published store of
+    the object's tag word. Otherwise the heap mutex, then one load, one store and
+    one persist of a bitmap word; no global lock, no flush of anything else (a look
+    at our remote-free queue, one observed line, every PEEK_EVERY calls, which also
+    pass over the magazine).
     """
     cdef cxl_local_heap* h = A.heap
+    cdef cxl_local_mag* m
     cdef uint64_t applied = 0
-    cdef int rc = _heap_lock(A, &applied)
+    cdef int rc
+    if c < CXL_MAG_CLASSES:
+        m = _mag_mine(A)
+        if m != NULL and m.n[c] > 0 and ((A.ticks + 1) & (PEEK_EVERY - 1)) != 0 \
+                and not _mag_closing(A):
+            A.ticks += 1
+            return _mag_pop(A, m, c, out)
+    rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
     CXL_ASSERT(c < CXL_NCLASSES, b"no such size class")
     CXL_ASSERT(h.current[c] <= A.nchunks, b"a class hint past the chunk table")
     rc = 1
-    if h.current[c]:
+    if c < CXL_MAG_CLASSES:
+        m = _mag_claim(A)
+        if m != NULL and m.n[c] > 0:
+            rc = _mag_pop(A, m, c, out)
+    if rc == 1 and h.current[c]:
         rc = _take_slot(A, h.current[c] - 1, c, out)
     if unlikely(rc == 1):
         rc = _alloc_slow(A, c, out)
@@ -1196,8 +1532,10 @@ cdef int cxl_alloc_large(cxl_allocctx* A, uint64_t nbytes, uint64_t* out) noexce
 
 
 cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
-    """Free any node's object: ours directly, others' through their queue, runs under the lock."""
-    cdef uint64_t k, w = 0, rel, slot, bw = 0, n, applied = 0, t0 = 0
+    """Free any node's object: ours into this thread's magazine or directly, others'
+    through their queue, runs under the lock."""
+    cdef uint64_t k, w = 0, rel, slot, bw = 0, n, applied = 0, t0 = 0, tag = 0
+    cdef cxl_local_mag* m
     cdef uint32_t c, owner
     cdef int rc
     cdef bint left = False
@@ -1250,15 +1588,44 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
     if (rel & (CLASS_SIZE[c] - 1)) or slot >= CLASS_SLOTS[c]:
         return CXLRT_E_BADFREE
     if owner != A.node:
-        return _free_remote(A, off, owner, k, slot)
+        return _free_remote(A, off, owner, k, c, slot)
+    if c < CXL_MAG_CLASSES:
+        m = _mag_mine(A)
+        if m != NULL and m.n[c] < CXL_MAG_SLOTS and ((A.ticks + 1) & (PEEK_EVERY - 1)) != 0 \
+                and not _mag_closing(A):
+            # Our own bitmap and our own tag: loads, nothing to observe. A tag says it
+            # may be cached already: only a look under the heap mutex tells.
+            rc = cxl_load64(A.r, cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot)), &bw)
+            if rc == 0:
+                rc = cxl_observe64(A.r, off + TAG_WORD, &tag)
+            if rc != 0:
+                return rc
+            if not (bw & cxl_bitmap_mask(slot)):
+                return CXLRT_E_DOUBLEFREE
+            if likely(tag != _mag_tag(A, off)):
+                A.ticks += 1
+                return _mag_push(A, m, c, off)
     rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
     if unlikely(_armed[0]):
         cxl_crash_hit(b"free.local")
-    rc = _clear_slot(A, k, c, slot, &bw)
-    if rc == 0 and bw == 0 and h.current[c] != k + 1:
-        rc = _kept(A, _maybe_release(A, h, k, c))
+    m = _mag_claim(A) if c < CXL_MAG_CLASSES else NULL
+    rc = cxl_observe64(A.r, off + TAG_WORD, &tag) if c < CXL_MAG_CLASSES else 0
+    if rc == 0 and c < CXL_MAG_CLASSES and tag == _mag_tag(A, off) and _mag_holds(A, c, off):
+        rc = CXLRT_E_DOUBLEFREE
+    elif rc == 0 and m != NULL:
+        rc = cxl_load64(A.r, cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot)), &bw)
+        if rc == 0 and not (bw & cxl_bitmap_mask(slot)):
+            rc = CXLRT_E_DOUBLEFREE
+        if rc == 0 and m.n[c] >= CXL_MAG_SLOTS:
+            rc = _mag_flush_class(A, _mag_index(A, m), c, CXL_MAG_SLOTS // 2)
+        if rc == 0:
+            rc = _mag_push(A, m, c, off)
+    elif rc == 0:
+        rc = _clear_slot(A, k, c, slot, &bw)
+        if rc == 0 and bw == 0 and h.current[c] != k + 1:
+            rc = _kept(A, _maybe_release(A, h, k, c))
     A.ticks += 1
     if unlikely((A.ticks & (PEEK_EVERY - 1)) == 0) and rc == 0:
         _peek_drain(A)
@@ -1299,15 +1666,20 @@ cdef int _maybe_release(cxl_allocctx* A, cxl_local_heap* h, uint64_t k, uint32_t
 
 
 cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
-    """Apply queued remote frees, then return this node's empty chunks (current and
-    spare included) to the table."""
+    """Give back this thread's magazine and those of threads that are gone, apply
+    queued remote frees, then return this node's empty chunks (current and spare
+    included) to the table."""
     cdef cxl_local_heap* h = A.heap
     cdef uint64_t k, w = 0, live = 0, applied = 0
     cdef uint32_t c
+    cdef cxl_local_mag* m = _mag_mine(A)
     cdef int rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
-    rc = _drain_locked(A, &applied)  # closes our journal, or fails before any release
+    _mag_sweep(A)
+    rc = _mag_flush(A, _mag_index(A, m), 0) if m != NULL else 0
+    if rc == 0:
+        rc = _drain_locked(A, &applied)  # closes our journal, or fails before any release
     for k in range(A.nchunks):
         if rc != 0:
             break
@@ -1326,6 +1698,33 @@ cdef int cxl_trim(cxl_allocctx* A) noexcept nogil:
 
 
 # --- Python layer ------------------------------------------------------------------------
+
+cdef uint64_t _owners = 0
+
+
+cdef uint64_t _next_owner():
+    """A magazine owner id never used before in this process (under the GIL)."""
+    global _owners
+    _owners += 1
+    return _owners
+
+
+def _pidns():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0  # unknown: no record is ever judged dead (each stays a leak, never reused)
+
+
+def _magazines_on():
+    """$CXLRT_MAGAZINES=0 turns the per-thread caches off (a baseline, or a bisection)."""
+    v = os.environ.get("CXLRT_MAGAZINES", "1").strip().lower()
+    if v in ("1", "on", "yes", "true", ""):
+        return True
+    if v in ("0", "off", "no", "false"):
+        return False
+    raise ValueError(f"CXLRT_MAGAZINES={v!r}: use 1 or 0")
+
 
 # What the allocator can add to a status's meaning (status.pyx picks the exception).
 _DETAIL = {
@@ -1360,11 +1759,46 @@ cdef class Allocator:
         self.A.nodes = region.nodes
         self.A.max_objects = self.A.nchunks * CLASS_SLOTS[0]
         self.A.ticks = 0
+        self.A.mags = (<NodeLocal>svc.local).mags
+        self.A.pidns = _pidns()
+        # The same for every node of the region: a remote free reads the tag too.
+        self.A.tag_key = ((region.uuid * 0x9E3779B97F4A7C15) ^ 0x6D6167617A696E65) \
+            & 0xFFFFFFFFFFFFFFFF | 1
+        self.A.mag_owner = _next_owner() if _magazines_on() else 0
         if self.A.heap_off + self.A.nchunks * CHUNK > CXL_OFF_MASK:
             raise RegionError(f"{region.spec}: a heap past 2**48 bytes does not fit the "
                               "remote-free journal's offsets")
         # Nothing is hooked into the heartbeat: a drain may wait for the allocator lock,
         # and a heartbeat must never wait on another node (DESIGN.md, failure model).
+        # Magazines of this node's threads that are gone go back now (a process
+        # killed with objects cached), before this process allocates.
+        self.swept_at_attach = self.sweep()
+
+    def sweep(self):
+        """Give back the magazines of this node's threads that are gone (a process killed
+        with freed objects cached); returns how many. Attaching, trim() and
+        `cxlrt check --repair` do it."""
+        cdef uint64_t swept = 0
+        cdef int rc
+        with nogil:
+            rc = cxl_mag_sweep(&self.A, &swept)
+        if rc != 0:
+            self._raise(rc, "sweep")
+        return swept
+
+    def close(self):
+        """Give back this Allocator's magazines (Region.close, before the locks close).
+        Idempotent; other threads must be done allocating."""
+        cdef int rc
+        with nogil:
+            rc = cxl_mag_close(&self.A)
+        if rc != 0:
+            self._raise(rc, "close")
+
+    @property
+    def magazines(self):
+        """Whether this Allocator caches freed small objects per thread."""
+        return self.A.mag_owner != 0
 
     def _raise(self, int rc, str what):
         check_rc(rc, what, _DETAIL.get(rc))

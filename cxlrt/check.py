@@ -68,6 +68,12 @@ def check(spec: str) -> dict[str, Any]:
                             "process killed between a table store and its publish can "
                             "leave the same picture over a live run, when its host writes "
                             "the stale line back late: know that no node holds a run there")
+        for node, pid, tid, offs in s.dead_cached:
+            if offs:
+                problems.append(f"leak: thread {tid} of process {pid}, gone, left {len(offs)} "
+                                f"freed object(s) of node {node} in its magazine; the next "
+                                f"process of node {node} to attach gives them back, as do its "
+                                "trim() and --repair")
         for node, offs in s.queued.items():
             if nodes[node]["dead"]:
                 problems.append(f"node {node} is dead with {len(offs)} queued remote frees")
@@ -124,6 +130,9 @@ def repair(spec: str, node: int, *, force: bool = False) -> dict[str, Any]:
         # Torn directory entries (a writer killed mid-change, of any node) are
         # finished under the meta lock (taking it waits only on a live holder).
         actions += region.directory.repair()
+        swept = region._allocator.swept_at_attach + region._allocator.sweep()
+        if swept:
+            actions.append(f"gave back {swept} magazine(s) of node {node}'s threads that are gone")
         applied = region._allocator.drain()
         if applied:
             actions.append(f"applied {applied} queued remote frees")

@@ -34,6 +34,10 @@ POINTS = {
     "free.remote": "remote free: link line written into the object (allocator lock held), "
                    "queue head not yet published",
     "free.local": "owner's free: heap mutex held, slot bit not yet cleared",
+    "alloc.mag": "alloc from the thread's magazine: its count lowered, object not yet returned",
+    "free.mag": "free into the thread's magazine: tag and slot written, count not yet raised",
+    "free.mag.drop": "magazine give-back: noted in the heap, count lowered (heap mutex held), "
+                     "bit not yet cleared",
     "alloc.drain.detach": "drain: batch committed to the owner's journal (allocator lock "
                           "held), queue not yet emptied",
     "alloc.drain": "drain: one more object of the batch applied (heap mutex held), "

@@ -6,6 +6,7 @@ other nodes published; it never writes.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class HeapScan:
     orphan_tails: list = field(default_factory=list)     # (chunk, owner): its head is gone
     live_ranges: list = field(default_factory=list)      # (start, end) of live chunks
     queued: dict = field(default_factory=dict)           # node -> [offsets] not yet applied
+    cached_objects: int = 0   # in live threads' magazines (freed; nodes of this host only)
+    cached_bytes: int = 0
+    dead_cached: list = field(default_factory=list)      # (node, pid, tid, [offsets])
 
     def usage(self) -> dict:
         return {"chunk_bytes": CHUNK, "chunks": self.nchunks, "free_chunks": self.free_chunks,
@@ -67,6 +71,7 @@ class HeapScan:
                 "small_objects": self.small_objects, "small_bytes": self.small_bytes,
                 "large_objects": self.large_objects, "large_bytes": self.large_bytes,
                 "live_bytes": self.small_bytes + self.large_bytes,
+                "cached_objects": self.cached_objects, "cached_bytes": self.cached_bytes,
                 "free_bytes": self.free_chunks * CHUNK, "by_node": self.by_node}
 
 
@@ -147,6 +152,7 @@ def scan(region) -> HeapScan:
         s.live_ranges.append((base, base + CHUNK))
         k += 1
     s.by_node = node_stats
+    _magazines(region, s, words, heap_off, geo)
     first = _orphan_tails(words)
     if first:  # or a large alloc under way: only those a second read still shows alone
         s.orphan_tails = sorted(set(first) & set(_orphan_tails(_table(region)[3])))
@@ -154,6 +160,67 @@ def scan(region) -> HeapScan:
     for node in range(region.nodes):
         _scan_queue(region, s, node, rfree + node * RFREE_BYTES, heap_off, n)
     return s
+
+
+def _gone(pid: int, tid: int) -> bool:
+    """Thread `tid` of process `pid` (of our pid namespace) surely runs no more."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return not os.path.exists(f"/proc/{pid}/task/{tid}")
+
+
+def _magazines(region, s, words, heap_off, geo) -> None:
+    """The objects threads of this host keep in their magazines (alloc.pyx), read from
+    each node's node-local file here (other hosts' are not readable from here, and
+    theirs stay counted as live). A live thread's are free to the application: they
+    leave the live figures for `cached_*`. A gone thread's are a leak until a
+    process of that node sweeps them; each must be a set bit of its node's chunk of
+    the class, or a free slot would be handed out twice."""
+    from cxlrt.nodelocal import local_path, mag_records
+    try:
+        ours = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ours = 0
+    for node in range(region.nodes):
+        for _, pid, tid, ns, offs in mag_records(local_path(region.uuid, node)):
+            sizes = []
+            for off in offs:
+                size = _cached_size(region, words, heap_off, geo, node, off)
+                if size is None:
+                    s.problems.append(f"node {node}: thread {tid} of process {pid} keeps object "
+                                      f"{off:#x} in its magazine, but it is no allocated slot "
+                                      "of that node: it could be handed out twice")
+                else:
+                    sizes.append(size)
+            if ns and ns == ours and _gone(pid, tid):
+                s.dead_cached.append((node, pid, tid, offs))
+                continue
+            for size in sizes:
+                s.cached_objects += 1
+                s.cached_bytes += size
+                s.small_objects -= 1
+                s.small_bytes -= size
+                s.by_node[node]["live_bytes"] -= size
+
+
+def _cached_size(region, words, heap_off, geo, node, off):
+    """The class size of `off` when it is an allocated slot of `node`'s, else None."""
+    k = (off - heap_off) // CHUNK
+    if not 0 <= k < len(words):
+        return None
+    kind, owner, low = table_word(words[k])
+    if kind != SMALL or owner != node or low >= len(geo):
+        return None
+    size, nslots, start = geo[low]
+    i, rem = divmod(off - heap_off - k * CHUNK - start, size)
+    if rem or not 0 <= i < nslots:
+        return None
+    _, bitmap = small_chunk(region, heap_off + k * CHUNK, nslots)
+    return size if bitmap[i // 64] >> (i % 64) & 1 else None
 
 
 def _orphan_tails(words) -> list:

@@ -18,10 +18,15 @@ cdef enum:
     CXL_LOCAL_PROCS_OFF = 128    # process table: who of this node is attached
     CXL_LOCAL_PROC_BYTES = 32
     CXL_LOCAL_PROCS = 124        # (4096 - 128) / 32 processes of one node at once
+    CXL_MAG_CLASSES = 5          # size classes with magazines: 64 B .. 1 KiB, where the heap
+                                 # mutex is most of what an alloc and a free cost
+    CXL_MAG_SLOTS = 16           # objects a thread keeps per class
+    CXL_LOCAL_MAGS = 64          # threads of one node with a magazine at once (more go without)
+    CXL_LOCAL_MAG_BYTES = 768
 
 
 ctypedef struct cxl_local_header:  # at 0: whose file this is
-    uint64_t magic            # "CXLLOCL2"
+    uint64_t magic            # "CXLLOCL3"
     uint64_t uuid             # the region format it serves
     uint32_t node
     uint32_t max_locks        # CXL_MAX_LOCKS of the build that made it
@@ -60,6 +65,27 @@ ctypedef struct cxl_local_heap:
     uint32_t owed_pid         # the process that wrote it, and a token of that process
     uint32_t pad1             # (a pid alone names a new process after reuse or in
     uint64_t owed_tok         # another pid namespace)
+    # A magazine slot being given back under m: its object, then the record, class
+    # and index it held. Set before the count is lowered and cleared once the bit
+    # is, so the next holder after a dead one finishes it (alloc.pyx, _mag_drop).
+    uint64_t drop_x           # 0: none
+    uint32_t drop_rec
+    uint32_t drop_c
+    uint32_t drop_i
+    uint32_t pad2
+
+
+# A thread's magazine (alloc.pyx): objects of our node that it freed and keeps for its
+# next allocs, their bits still set. Only that thread pushes and pops, without a lock;
+# others write the record only under the heap mutex, once its thread is gone.
+ctypedef struct cxl_local_mag:
+    uint32_t pid              # the thread that owns it (0: a free record); written last
+    uint32_t tid
+    uint64_t pidns            # inode of its pid namespace: liveness is asked only there
+    uint64_t owner            # which Allocator of that process it serves (never reused)
+    uint64_t pad
+    uint32_t n[8]             # per class: how many of slot[c] are cached
+    uint64_t slot[5][16]
 
 
 cdef class NodeLocal:
@@ -73,3 +99,4 @@ cdef class NodeLocal:
     cdef uint64_t* counter         # heartbeat counter of the node (atomic add)
     cdef uint64_t* inc             # incarnation of the node's life this file serves
     cdef cxl_local_proc* procs     # CXL_LOCAL_PROCS records, edited under the file's flock
+    cdef cxl_local_mag* mags       # CXL_LOCAL_MAGS records, CXL_LOCAL_MAG_BYTES apart

@@ -18,14 +18,17 @@ from cxlrt.mapping cimport Mapping
 
 from cxlrt.shm import init_robust_mutexes
 
-MAGIC = int.from_bytes(b"CXLLOCL2", "little")
+MAGIC = int.from_bytes(b"CXLLOCL3", "little")
 LOCKS_OFF = 4096
 HEAP_OFF = LOCKS_OFF + CXL_MAX_LOCKS * CXL_LOCAL_LOCK_BYTES
-TOTAL = HEAP_OFF + 4096
+MAGS_OFF = HEAP_OFF + 4096
+TOTAL = MAGS_OFF + CXL_LOCAL_MAGS * CXL_LOCAL_MAG_BYTES
 
 assert sizeof(cxl_local_lock) <= CXL_LOCAL_LOCK_BYTES
 assert sizeof(cxl_local_heap) <= 4096
 assert sizeof(cxl_local_proc) == CXL_LOCAL_PROC_BYTES
+assert sizeof(cxl_local_mag) <= CXL_LOCAL_MAG_BYTES and CXL_LOCAL_MAG_BYTES % 64 == 0
+assert CXL_MAG_CLASSES <= 5 and CXL_MAG_SLOTS == 16  # the record's slot[5][16]
 assert CXL_LOCAL_PROCS_OFF + CXL_LOCAL_PROCS * CXL_LOCAL_PROC_BYTES <= LOCKS_OFF
 
 
@@ -126,6 +129,7 @@ cdef class NodeLocal:
             self.counter = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_COUNTER_OFF)
             self.inc = <uint64_t*>(self.mapping.base + <size_t>CXL_LOCAL_INC_OFF)
             self.procs = <cxl_local_proc*>(self.mapping.base + <size_t>CXL_LOCAL_PROCS_OFF)
+            self.mags = <cxl_local_mag*>(self.mapping.base + <size_t>MAGS_OFF)
             self.user_fd = _use(self.path)
             if on_open is not None:
                 try:
@@ -339,3 +343,28 @@ def remove_files(unsigned long long uuid, int nodes):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+def mag_records(path):
+    """[(index, pid, tid, pidns, [offsets cached])] of the claimed magazine records in
+    the node-local file at `path`, read without mapping it; [] when it is missing or
+    not a node-local file of this build."""
+    cdef cxl_local_mag rec
+    cdef const char* buf
+    cdef int i, c, j
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TOTAL)
+    except FileNotFoundError:
+        return []
+    if len(raw) != TOTAL or int.from_bytes(raw[:8], "little") != MAGIC:
+        return []
+    out = []
+    buf = raw
+    for i in range(CXL_LOCAL_MAGS):
+        memcpy(&rec, buf + <size_t>MAGS_OFF + i * CXL_LOCAL_MAG_BYTES, sizeof(rec))
+        if rec.pid:
+            offs = [rec.slot[c][j] for c in range(CXL_MAG_CLASSES)
+                    for j in range(min(rec.n[c], CXL_MAG_SLOTS))]
+            out.append((i, rec.pid, rec.tid, rec.pidns, offs))
+    return out

@@ -149,6 +149,12 @@ cdef class Region:
                 if not self._cut_off():
                     raise
         self._closing.clear()
+        if self._heap is not None and not self.r.closed:
+            try:
+                self._heap.close()  # the magazines: what our threads cached goes back
+            except MediumError:
+                if not self._cut_off():
+                    raise
         if self._locks is not None:
             try:
                 self._locks.stop_manager()

@@ -15,10 +15,12 @@
 #    a record in the node-local file, bits still set, and allocates from it first
 #    with no lock. Only it pushes and pops; a record is given back (bits cleared,
 #    count lowered first) under the heap mutex by its thread, by Allocator.close, or
-#    by anyone of the node once its thread is surely gone. A cached object carries a
+#    by anyone of the node once its thread is surely gone (Allocator.close gives back
+#    only its own thread's and gone threads' records). A cached object carries a
 #    published tag word (derived from the region and its offset, so every node can
-#    tell it): a second free of it by our node looks in every record instead of
-#    caching it twice, and another node's is refused rather than queued.
+#    tell it): a later free of it by our node looks in every record instead of
+#    caching it twice, and another node's is refused rather than queued. Two frees of
+#    one object at the same moment are an application race the tag cannot order.
 #  - Large objects are runs of whole chunks; any node frees them under the lock.
 #  - Every write under the allocator lock is fenced: the holder first asks its own
 #    clock whether it was silent past the lease since it began to acquire (then
@@ -51,7 +53,6 @@ ctypedef struct cxl_allocctx:
     uint32_t ticks            # this process's allocs and frees, for periodic queue peeks
     cxl_local_mag* mags       # the node's magazine records (node-local file)
     uint64_t mag_owner        # this Allocator's id in its process; 0: no magazines
-    uint64_t pidns            # inode of our pid namespace (a record's liveness is asked there)
     uint64_t tag_key          # a cached object's tag word is tag_key ^ its offset (any node's)
 
 

@@ -67,10 +67,11 @@ from cxlrt.errors import OutOfMemory, OutOfRangeError, RegionError
 
 
 cdef extern from "cxl_mag.h" nogil:
-    void* cxl_mag_find(uint64_t owner, int pid)
-    void cxl_mag_remember(uint64_t owner, int pid, void* rec)
+    void* cxl_mag_find(uint64_t owner, int pid, uint64_t* tok)
+    void cxl_mag_remember(uint64_t owner, int pid, void* rec, uint64_t tok)
     void cxl_mag_forget(uint64_t owner)
     int cxl_thread_gone(int pid, int tid)
+    uint64_t cxl_pidns_now()
     void cxl_compiler_barrier()
 
 
@@ -899,14 +900,34 @@ cdef inline cxl_local_mag* _mag_at(cxl_allocctx* A, uint32_t i) noexcept nogil:
 
 cdef inline cxl_local_mag* _mag_mine(cxl_allocctx* A) noexcept nogil:
     """This thread's record for this Allocator, or NULL (none yet, none to be had, or
-    magazines off). `1` marks a claim that found no free record: not asked again."""
+    magazines off). `1` marks a claim that found no free record: not asked again. A
+    record given back since (its claim token changed) is no longer ours."""
+    cdef uint64_t tok = 0
     cdef void* p
     if A.mag_owner == 0:
         return NULL
-    p = cxl_mag_find(A.mag_owner, cxl_pid())
-    if p == <void*>1:
+    p = cxl_mag_find(A.mag_owner, cxl_pid(), &tok)
+    if p == NULL or p == <void*>1 or (<cxl_local_mag*>p).ctok != tok:
         return NULL
     return <cxl_local_mag*>p
+
+
+cdef uint64_t _mag_ptok = 0
+cdef int _mag_ptok_pid = 0
+cdef uint64_t _mag_claims = 0
+
+
+cdef uint64_t _mag_process() noexcept nogil:
+    """A number naming this process among those a pid could name (drawn again after a
+    fork); under the heap mutex only."""
+    global _mag_ptok, _mag_ptok_pid
+    if _mag_ptok_pid != cxl_pid():
+        _mag_ptok = (cxl_now_ns() * <uint64_t>0x9E3779B97F4A7C15) ^ <uint64_t>cxl_pid() \
+            ^ (<uint64_t>cxl_thread_id() << 32)
+        if _mag_ptok == 0:
+            _mag_ptok = 1
+        _mag_ptok_pid = cxl_pid()
+    return _mag_ptok
 
 
 cdef inline uint64_t _mag_tag(cxl_allocctx* A, uint64_t x) noexcept nogil:
@@ -917,54 +938,39 @@ cdef inline bint _mag_closing(cxl_allocctx* A) noexcept nogil:
     return cxl_atomic_load_acquire32(&A.L.closing) != 0
 
 
-cdef bint _mag_dead(cxl_allocctx* A, cxl_local_mag* m) noexcept nogil:
-    """The record's thread surely runs no more. Asked only of our own pid namespace:
-    elsewhere a pid names another process, and a live owner's record given back
-    would have its objects handed out twice; there it stays, a leak."""
-    return m.pid != 0 and A.pidns != 0 and m.pidns == A.pidns \
+cdef bint _mag_dead(cxl_local_mag* m, uint64_t ns) noexcept nogil:
+    """The record's thread surely runs no more, asked from pid namespace `ns` (read
+    now: a process moved into another one meanwhile asks there). Asked only of
+    records of that namespace: elsewhere a pid names another process, and a live
+    owner's record given back would have its objects handed out twice; there it
+    stays, a leak."""
+    return m.pid != 0 and ns != 0 and m.pidns == ns \
         and cxl_thread_gone(<int>m.pid, <int>m.tid) != 0
 
 
-cdef bint _mag_holds(cxl_allocctx* A, uint32_t c, uint64_t x) noexcept nogil:
-    """x is cached in some thread's record (heap mutex held): a free of it is a double free."""
+cdef void _mag_free_record(cxl_local_mag* m) noexcept nogil:
+    m.ctok = 0
+    cxl_compiler_barrier()
+    m.pid = 0
+
+
+cdef bint _mag_holds(cxl_allocctx* A, uint32_t c, uint64_t x,
+                     uint32_t skip=CXL_LOCAL_MAGS) noexcept nogil:
+    """x is cached in some thread's record but `skip` (heap mutex held): a free of it is
+    a double free, and a give-back of it a torn record's."""
     cdef cxl_local_mag* m
     cdef uint32_t i, j, n
     if c >= CXL_MAG_CLASSES:
         return False
     for i in range(CXL_LOCAL_MAGS):
         m = _mag_at(A, i)
-        if m.pid == 0:
+        if m.pid == 0 or i == skip:
             continue
         n = m.n[c] if m.n[c] <= CXL_MAG_SLOTS else CXL_MAG_SLOTS
         for j in range(n):
             if m.slot[c][j] == x:
                 return True
     return False
-
-
-cdef int _mag_unset(cxl_allocctx* A, uint64_t x, uint32_t c, bint* kept) noexcept nogil:
-    """Clear a dropped object's bit (heap mutex held). 0 also when it is clear already
-    (a replay) or x is no slot of ours of class c (a torn record: left alone). On a
-    failure, *kept says whether the bit may still be set (then x may stay cached)."""
-    cdef uint64_t k = 0, slot = 0, left = 0, w = 0
-    cdef uint32_t cc = 0
-    cdef int rc = _slot_of(A, x, &k, &cc, &slot)
-    kept[0] = False
-    if rc == 1 or (rc == 0 and cc != c):
-        return 0
-    if rc != 0:
-        kept[0] = True
-        return rc
-    rc = _clear_slot(A, k, c, slot, &left)
-    if rc == CXLRT_E_DOUBLEFREE:
-        return 0
-    if rc != 0:
-        kept[0] = cxl_load64(A.r, cxl_small_bitmap_off(_chunk_off(A, k), cxl_bitmap_word(slot)),
-                             &w) != 0 or (w & cxl_bitmap_mask(slot)) != 0
-        return rc
-    if left == 0 and A.heap.current[c] != k + 1:
-        _kept(A, _maybe_release(A, A.heap, k, c))  # the drop is done either way
-    return 0
 
 
 cdef int _mag_untag(cxl_allocctx* A, uint64_t x) noexcept nogil:
@@ -979,11 +985,48 @@ cdef int _mag_untag(cxl_allocctx* A, uint64_t x) noexcept nogil:
     return rc
 
 
+cdef int _mag_give(cxl_allocctx* A, uint64_t x, uint32_t c, uint32_t ri,
+                   bint* kept) noexcept nogil:
+    """Give a dropped object back to its bitmap (heap mutex held): its tag, then its bit.
+
+    Only while x is a slot of ours of class c that still carries its tag: an object is
+    tagged from its push until its pop or give-back clears the tag, so a tag says no
+    one was handed x since it was cached (a note or record of an earlier life, a torn
+    record, a replay after the bit went: each leaves x alone, a leak at worst). On a
+    failure, *kept says whether x may still be cached as it was (tag and bit set).
+    Another record that lists x keeps it: only a torn record (ri) could say so too."""
+    cdef uint64_t k = 0, slot = 0, left = 0, w = 0, tag = 0
+    cdef uint32_t cc = 0
+    cdef int rc = _slot_of(A, x, &k, &cc, &slot)
+    kept[0] = False
+    if rc == 1 or (rc == 0 and cc != c):
+        return 0
+    if rc == 0:
+        rc = cxl_observe64(A.r, x + TAG_WORD, &tag)
+    if rc != 0:
+        kept[0] = True
+        return rc
+    if tag != _mag_tag(A, x) or _mag_holds(A, c, x, ri):
+        return 0  # not cached as record ri said, or cached by another record now
+    rc = _mag_untag(A, x)
+    if rc != 0:
+        kept[0] = True  # a tag that may be gone: a later give-back then leaves x alone
+        return rc
+    rc = _clear_slot(A, k, c, slot, &left)
+    if rc == CXLRT_E_DOUBLEFREE:
+        return 0
+    if rc != 0:
+        return rc  # untagged: never cached again, whatever the bit (a leak at worst)
+    if left == 0 and A.heap.current[c] != k + 1:
+        _kept(A, _maybe_release(A, A.heap, k, c))  # the drop is done either way
+    return 0
+
+
 cdef int _mag_drop(cxl_allocctx* A, uint32_t ri, uint32_t c) noexcept nogil:
     """Give back the top object of record ri's class c (heap mutex held, the record's
-    thread not pushing or popping): noted in the heap, the count lowered, the tag
-    and then the bit cleared, the note cleared. On a failure that may have left the bit set the
-    object stays cached and the error is returned."""
+    thread not pushing or popping): noted in the heap, the count lowered, then
+    _mag_give, then the note cleared. On a failure that may have left it as it was,
+    the object stays cached and the error is returned."""
     cdef cxl_local_heap* h = A.heap
     cdef cxl_local_mag* m = _mag_at(A, ri)
     cdef uint32_t i = m.n[c] - 1
@@ -1000,13 +1043,9 @@ cdef int _mag_drop(cxl_allocctx* A, uint32_t ri, uint32_t c) noexcept nogil:
     cxl_compiler_barrier()
     if unlikely(_armed[0]):
         cxl_crash_hit(b"free.mag.drop")
-    rc = _mag_untag(A, x)
-    if rc == 0:
-        rc = _mag_unset(A, x, c, &kept)
-    else:
-        kept = True
+    rc = _mag_give(A, x, c, ri, &kept)
     if kept:
-        m.n[c] = i + 1  # still set: still cached (the slot was never overwritten)
+        m.n[c] = i + 1  # still cached as it was (the slot was never overwritten)
     cxl_compiler_barrier()
     h.drop_x = 0
     return rc
@@ -1019,7 +1058,7 @@ cdef int _mag_flush(cxl_allocctx* A, uint32_t ri, uint32_t keep) noexcept nogil:
     cdef int rc
     for c in range(CXL_MAG_CLASSES):
         if m.n[c] > CXL_MAG_SLOTS:
-            m.n[c] = CXL_MAG_SLOTS  # torn: what lies past the slots was never cached
+            m.n[c] = 0  # torn: which slots are cached is unknown; a leak, never a guess
         while m.n[c] > keep:
             rc = _mag_drop(A, ri, c)
             if rc != 0:
@@ -1038,8 +1077,10 @@ cdef int _mag_flush_class(cxl_allocctx* A, uint32_t ri, uint32_t c, uint32_t kee
 
 
 cdef void _mag_recover(cxl_allocctx* A) noexcept nogil:
-    """Finish a give-back a dead heap-mutex holder left half done (heap mutex held, and
-    nothing allocated since it died, so a bit still set is the dropped object's)."""
+    """Finish a give-back a dead heap-mutex holder left half done (heap mutex held).
+    A new life forgets the note (another life may have used the slot since); within a
+    life nothing was allocated since the holder died, and _mag_give still asks the
+    object's tag."""
     cdef cxl_local_heap* h = A.heap
     cdef cxl_local_mag* m
     cdef uint64_t x = h.drop_x
@@ -1050,11 +1091,11 @@ cdef void _mag_recover(cxl_allocctx* A) noexcept nogil:
         m = _mag_at(A, h.drop_rec)
         if m.n[h.drop_c] > h.drop_i and m.slot[h.drop_c][h.drop_i] == x:
             m.n[h.drop_c] = h.drop_i
-        if _mag_untag(A, x) != 0:
-            return  # the note stays: the next holder tries again
-        _mag_unset(A, x, h.drop_c, &kept)
+        _mag_give(A, x, h.drop_c, h.drop_rec, &kept)
         if kept:
-            return  # the note stays: the next holder tries again
+            m = _mag_at(A, h.drop_rec)
+            if m.n[h.drop_c] == h.drop_i:
+                m.n[h.drop_c] = h.drop_i + 1  # cached as it was: back in its record
     h.drop_x = 0
 
 
@@ -1062,11 +1103,11 @@ cdef uint64_t _mag_sweep(cxl_allocctx* A) noexcept nogil:
     """Give back the records of threads that are gone (heap mutex held); how many."""
     cdef cxl_local_mag* m
     cdef uint32_t i
-    cdef uint64_t n = 0
+    cdef uint64_t n = 0, ns = cxl_pidns_now()
     for i in range(CXL_LOCAL_MAGS):
         m = _mag_at(A, i)
-        if _mag_dead(A, m) and _mag_flush(A, i, 0) == 0:
-            m.pid = 0
+        if _mag_dead(m, ns) and _mag_flush(A, i, 0) == 0:
+            _mag_free_record(m)
             n += 1
     return n
 
@@ -1074,38 +1115,45 @@ cdef uint64_t _mag_sweep(cxl_allocctx* A) noexcept nogil:
 cdef cxl_local_mag* _mag_claim(cxl_allocctx* A) noexcept nogil:
     """This thread's record, claimed now if it has none (heap mutex held); NULL when
     every record is a live thread's (the thread then goes without)."""
+    global _mag_claims
     cdef cxl_local_mag* m = _mag_mine(A)
     cdef uint32_t i, c, pid = <uint32_t>cxl_pid(), tid = cxl_thread_id()
+    cdef uint64_t tok = 0, ptok
     cdef int free_i = -1
     if m != NULL or A.mag_owner == 0:
         return m
-    if cxl_mag_find(A.mag_owner, cxl_pid()) == <void*>1:
+    if cxl_mag_find(A.mag_owner, cxl_pid(), &tok) == <void*>1:
         return NULL
+    ptok = _mag_process()
     for i in range(CXL_LOCAL_MAGS):
         m = _mag_at(A, i)
-        if m.pid == pid and m.tid == tid and m.owner == A.mag_owner and m.pidns == A.pidns:
+        if m.pid == pid and m.ptok == ptok and m.tid == tid and m.owner == A.mag_owner:
             free_i = i  # ours already (our cache of it was evicted)
             break
-        if m.pid == 0 and free_i < 0:
-            free_i = i
-    if free_i < 0 and _mag_sweep(A):
+    if free_i < 0:
+        # A new thread: what threads that are gone kept goes back first (a pool's
+        # threads come and go; each claim costs a liveness question per record).
+        _mag_sweep(A)
         for i in range(CXL_LOCAL_MAGS):
             if _mag_at(A, i).pid == 0:
                 free_i = i
                 break
     if free_i < 0:
-        cxl_mag_remember(A.mag_owner, cxl_pid(), <void*>1)
+        cxl_mag_remember(A.mag_owner, cxl_pid(), <void*>1, 0)
         return NULL
     m = _mag_at(A, free_i)
-    if m.pid != pid:
+    if m.pid == 0:
+        _mag_claims += 1
         m.tid = tid
-        m.pidns = A.pidns
+        m.pidns = cxl_pidns_now()
         m.owner = A.mag_owner
+        m.ptok = ptok
+        m.ctok = (ptok ^ (_mag_claims * <uint64_t>0xBF58476D1CE4E5B9)) | 1
         for c in range(8):
             m.n[c] = 0
         cxl_compiler_barrier()
         m.pid = pid  # last: a record is claimed only once it says whose it is
-    cxl_mag_remember(A.mag_owner, cxl_pid(), m)
+    cxl_mag_remember(A.mag_owner, cxl_pid(), m, m.ctok)
     return m
 
 
@@ -1115,14 +1163,19 @@ cdef inline uint32_t _mag_index(cxl_allocctx* A, cxl_local_mag* m) noexcept nogi
 
 cdef inline int _mag_push(cxl_allocctx* A, cxl_local_mag* m, uint32_t c, uint64_t x) noexcept nogil:
     """Cache our freed object x (its bit still set; room checked by the caller; its tag
-    line observed, so no stale copy of it is stored into): the tag, published (its line must not be left dirty here for a remote free of it to
-    be written over later), then the slot, then the count."""
+    line observed, so no stale copy of it is stored into): the tag, published (its
+    line must not be left dirty here for a remote free of it to be written over
+    later), then the slot, then the count. Always 0: the free has happened."""
     cdef uint32_t i = m.n[c]
-    cdef int rc = cxl_store64(A.r, x + TAG_WORD, _mag_tag(A, x))  # the caller observed the line
-    if rc == 0:
-        rc = cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t))
-    if rc != 0:
-        return rc  # not cached, bit set: the free did not happen (a stray tag only costs a look)
+    # The caller observed the line. A failed store or publish still caches x: the
+    # line may be dirty here, which is safe only on an object nobody else writes,
+    # and x must not leave with a tag on it. Its free has happened.
+    cdef int tries = 0
+    if cxl_store64(A.r, x + TAG_WORD, _mag_tag(A, x)) == 0:
+        # Retried: an unpublished tag is one other nodes cannot see (a second free of
+        # x from there would be queued), on a line left dirty here.
+        while cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t)) != 0 and tries < CLEAR_TRIES:
+            tries += 1
     m.slot[c][i] = x
     cxl_compiler_barrier()
     if unlikely(_armed[0]):
@@ -1161,12 +1214,15 @@ cdef int cxl_mag_sweep(cxl_allocctx* A, uint64_t* swept) noexcept nogil:
 
 
 cdef int cxl_mag_close(cxl_allocctx* A) noexcept nogil:
-    """Give back every record of this Allocator in this process (Region.close): its
-    threads stop caching first. A record whose give-back failed stays for a sweep
-    once this process is gone."""
-    cdef uint64_t applied = 0, owner = A.mag_owner
+    """Give back this thread's record of this Allocator, and those of our threads that
+    are gone (Region.close). Our other threads' records stay theirs: one of them may be
+    inside a push or a pop right now, and a record given back under it could be
+    claimed by another process and written by both. Each goes back once its thread
+    is gone (a sweep: the next claim, trim or attach of the node), or with this
+    process. From now on no thread of ours caches for this Allocator."""
+    cdef uint64_t applied = 0, owner = A.mag_owner, ptok
     cdef cxl_local_mag* m
-    cdef uint32_t i, pid = <uint32_t>cxl_pid()
+    cdef uint32_t i, pid = <uint32_t>cxl_pid(), tid = cxl_thread_id()
     cdef int rc, first = 0
     if owner == 0:
         return 0
@@ -1175,12 +1231,14 @@ cdef int cxl_mag_close(cxl_allocctx* A) noexcept nogil:
     rc = _heap_lock(A, &applied)
     if rc != 0:
         return rc
+    ptok = _mag_process()
     for i in range(CXL_LOCAL_MAGS):
         m = _mag_at(A, i)
-        if m.pid == pid and m.owner == owner and m.pidns == A.pidns:
+        if m.pid == pid and m.ptok == ptok and m.owner == owner \
+                and (m.tid == tid or cxl_thread_gone(<int>pid, <int>m.tid)):
             rc = _mag_flush(A, i, 0)
             if rc == 0:
-                m.pid = 0
+                _mag_free_record(m)
             elif first == 0:
                 first = rc
     cxl_local_mutex_exit(A.L, &A.heap.m, CXL_HELD_HEAP)
@@ -1623,7 +1681,10 @@ cdef int cxl_free(cxl_allocctx* A, uint64_t off) noexcept nogil:
         if rc == 0:
             rc = _mag_push(A, m, c, off)
     elif rc == 0:
-        rc = _clear_slot(A, k, c, slot, &bw)
+        if c < CXL_MAG_CLASSES and tag == _mag_tag(A, off):
+            rc = _mag_untag(A, off)  # a stray tag (a push cut short): not onto the bitmap
+        if rc == 0:
+            rc = _clear_slot(A, k, c, slot, &bw)
         if rc == 0 and bw == 0 and h.current[c] != k + 1:
             rc = _kept(A, _maybe_release(A, h, k, c))
     A.ticks += 1
@@ -1709,13 +1770,6 @@ cdef uint64_t _next_owner():
     return _owners
 
 
-def _pidns():
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0  # unknown: no record is ever judged dead (each stays a leak, never reused)
-
-
 def _magazines_on():
     """$CXLRT_MAGAZINES=0 turns the per-thread caches off (a baseline, or a bisection)."""
     v = os.environ.get("CXLRT_MAGAZINES", "1").strip().lower()
@@ -1760,7 +1814,6 @@ cdef class Allocator:
         self.A.max_objects = self.A.nchunks * CLASS_SLOTS[0]
         self.A.ticks = 0
         self.A.mags = (<NodeLocal>svc.local).mags
-        self.A.pidns = _pidns()
         # The same for every node of the region: a remote free reads the tag too.
         self.A.tag_key = ((region.uuid * 0x9E3779B97F4A7C15) ^ 0x6D6167617A696E65) \
             & 0xFFFFFFFFFFFFFFFF | 1

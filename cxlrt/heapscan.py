@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 
 from cxlrt import layoutinfo
@@ -162,49 +163,69 @@ def scan(region) -> HeapScan:
     return s
 
 
-def _gone(pid: int, tid: int) -> bool:
-    """Thread `tid` of process `pid` (of our pid namespace) surely runs no more."""
+def _gone(pid: int, tid: int) -> str:
+    """"process" when process `pid` (of our pid namespace) is gone, "thread" when only
+    its thread `tid` is, "" while it runs (or we may not ask)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return "process"
     except PermissionError:
-        return False
-    return not os.path.exists(f"/proc/{pid}/task/{tid}")
+        return ""
+    return "" if os.path.exists(f"/proc/{pid}/task/{tid}") else "thread"
 
 
 def _magazines(region, s, words, heap_off, geo) -> None:
     """The objects threads of this host keep in their magazines (alloc.pyx), read from
-    each node's node-local file here (other hosts' are not readable from here, and
-    theirs stay counted as live). A live thread's are free to the application: they
-    leave the live figures for `cached_*`. A gone thread's are a leak until a
-    process of that node sweeps them; each must be a set bit of its node's chunk of
-    the class, or a free slot would be handed out twice."""
+    each node's node-local file here. Other hosts' files are not readable from here,
+    nor is the liveness of another pid namespace's process: theirs stay counted as
+    live. A running process's are free to the application, its gone threads' too (its
+    next thread to start, its trim() or attach gives them back): they leave the live
+    figures for `cached_*`. A gone process's are a leak until a process of that node
+    attaches here. Each must be a set bit of its node's chunk of the class, or a free
+    slot would be handed out twice: a suspect is read again, the bitmap before the
+    record, as a give-back or a carve may be under way between our reads (only one
+    that every read shows is reported)."""
     from cxlrt.nodelocal import local_path, mag_records
     try:
         ours = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         ours = 0
+    suspects = []
     for node in range(region.nodes):
         for _, pid, tid, ns, offs in mag_records(local_path(region.uuid, node)):
             sizes = []
             for off in offs:
                 size = _cached_size(region, words, heap_off, geo, node, off)
                 if size is None:
-                    s.problems.append(f"node {node}: thread {tid} of process {pid} keeps object "
-                                      f"{off:#x} in its magazine, but it is no allocated slot "
-                                      "of that node: it could be handed out twice")
+                    suspects.append((node, pid, tid, off))
                 else:
                     sizes.append(size)
-            if ns and ns == ours and _gone(pid, tid):
+            gone = _gone(pid, tid) if ns and ns == ours else ""
+            if gone == "process":
                 s.dead_cached.append((node, pid, tid, offs))
                 continue
+            if not (ns and ns == ours):
+                continue  # liveness unknown here: live, as far as we can tell
             for size in sizes:
                 s.cached_objects += 1
                 s.cached_bytes += size
                 s.small_objects -= 1
                 s.small_bytes -= size
                 s.by_node[node]["live_bytes"] -= size
+    for _ in range(5):  # a busy thread pops, pushes and gives back between our reads
+        if not suspects:
+            break
+        time.sleep(0.002)  # out of step with a thread that loops as fast as we read
+        words = _table(region)[3]
+        suspects = [(node, pid, tid, off) for node, pid, tid, off in suspects
+                    if _cached_size(region, words, heap_off, geo, node, off) is None
+                    and any(p == pid and t == tid and off in offs for _, p, t, _, offs
+                            in mag_records(local_path(region.uuid, node)))]
+    for node, pid, tid, off in suspects:
+        s.problems.append(f"node {node}: thread {tid} of process {pid} keeps object "
+                          f"{off:#x} in its magazine, but it is no allocated slot "
+                          "of that node: it could be handed out twice")
 
 
 def _cached_size(region, words, heap_off, geo, node, off):

@@ -83,7 +83,8 @@ ctypedef struct cxl_local_mag:
     uint32_t tid
     uint64_t pidns            # inode of its pid namespace: liveness is asked only there
     uint64_t owner            # which Allocator of that process it serves (never reused)
-    uint64_t pad
+    uint64_t ptok             # names that process (a pid may name two, in two namespaces)
+    uint64_t ctok             # this claim (0 once given back): its thread's cache checks it
     uint32_t n[8]             # per class: how many of slot[c] are cached
     uint64_t slot[5][16]
 

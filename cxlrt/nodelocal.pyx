@@ -167,10 +167,17 @@ cdef class NodeLocal:
         self.inc[0] = v
 
     def forget_owed(self):
-        """Drop a large run an earlier life of the node owed (cxl_local_heap.owed_n): other
-        lives may have written the node's words over it since, so giving it back could
-        free theirs. It stays a leak, as a kill in an alloc was before the record."""
+        """Drop what an earlier life of the node left in the heap's state: a large run it
+        owed (cxl_local_heap.owed_n), a magazine give-back it noted (drop_x) and the
+        size classes' chunk hints. Other lives may have used those chunks and slots
+        since, so giving the run or the slot back could free theirs (each stays a
+        leak), and a hint could name a chunk that is no longer ours."""
+        cdef int i
         self.heap.owed_n = 0
+        self.heap.drop_x = 0
+        for i in range(16):
+            self.heap.current[i] = 0
+            self.heap.spare[i] = 0
 
     def lock_slot(self, int i):
         """Holder pid, tid, global_held, recovered count and pending repair of local

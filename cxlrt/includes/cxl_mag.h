@@ -8,35 +8,38 @@
 #include <errno.h>
 #include <unistd.h>
 #include <sys/syscall.h>
+#include <sys/stat.h>
 
 #define CXL_MAG_TLS 4
 
 /* initial-exec: a few dozen bytes of the static TLS surplus, and no __tls_get_addr
  * call per lookup (which cost a fifth of an alloc+free pair in a shared object). */
 #define CXL_TLS_IE __attribute__((tls_model("initial-exec")))
-typedef struct { uint64_t owner; void *rec; int pid; } cxl_mag_entry;
+typedef struct { uint64_t owner; void *rec; int pid; uint64_t tok; } cxl_mag_entry;
 static __thread cxl_mag_entry cxl_mag_tls[CXL_MAG_TLS] CXL_TLS_IE;
 static __thread unsigned cxl_mag_tls_next CXL_TLS_IE;
 
-static inline void *cxl_mag_find(uint64_t owner, int pid)
+static inline void *cxl_mag_find(uint64_t owner, int pid, uint64_t *tok)
 {
     int i;
     for (i = 0; i < CXL_MAG_TLS; i++)
-        if (cxl_mag_tls[i].owner == owner && cxl_mag_tls[i].pid == pid)
+        if (cxl_mag_tls[i].owner == owner && cxl_mag_tls[i].pid == pid) {
+            *tok = cxl_mag_tls[i].tok;
             return cxl_mag_tls[i].rec;
+        }
     return 0;
 }
 
-static inline void cxl_mag_remember(uint64_t owner, int pid, void *rec)
+static inline void cxl_mag_remember(uint64_t owner, int pid, void *rec, uint64_t tok)
 {
     int i;
     for (i = 0; i < CXL_MAG_TLS; i++)
-        if (cxl_mag_tls[i].owner == owner || cxl_mag_tls[i].pid != pid) {
-            cxl_mag_tls[i].owner = owner; cxl_mag_tls[i].rec = rec; cxl_mag_tls[i].pid = pid;
-            return;
-        }
-    i = (int)(cxl_mag_tls_next++ % CXL_MAG_TLS);
-    cxl_mag_tls[i].owner = owner; cxl_mag_tls[i].rec = rec; cxl_mag_tls[i].pid = pid;
+        if (cxl_mag_tls[i].owner == owner || cxl_mag_tls[i].pid != pid)
+            break;
+    if (i == CXL_MAG_TLS)
+        i = (int)(cxl_mag_tls_next++ % CXL_MAG_TLS);
+    cxl_mag_tls[i].owner = owner; cxl_mag_tls[i].rec = rec;
+    cxl_mag_tls[i].pid = pid; cxl_mag_tls[i].tok = tok;
 }
 
 static inline void cxl_mag_forget(uint64_t owner)
@@ -54,6 +57,14 @@ static inline int cxl_thread_gone(int pid, int tid)
     if (kill(pid, 0) != 0 && errno == ESRCH)
         return 1;
     return syscall(SYS_tgkill, pid, tid, 0) != 0 && errno == ESRCH;
+}
+
+/* Inode of this process's pid namespace now (a process may move a child into a new
+ * one after it opened a region), 0 when it cannot be read. */
+static inline uint64_t cxl_pidns_now(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
 static inline void cxl_compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }

@@ -115,7 +115,7 @@ def test_check_repair_gives_a_dead_nodes_magazine_back(backend):
     assert not [p for p in cxcheck.check(spec)["problems"] if "magazine" in p]
 
 
-def test_a_thread_that_exits_leaves_its_magazine_to_the_next_sweep(backend):
+def test_a_thread_that_exits_leaves_its_magazine_to_the_next_thread_or_sweep(backend):
     r0 = backend.create(size="8M", nodes=2)
 
     tids = []
@@ -129,16 +129,32 @@ def test_a_thread_that_exits_leaves_its_magazine_to_the_next_sweep(backend):
     t.start()
     t.join()
     _until_gone(tids[0])
-    assert r0.usage()["small_objects"] == 5  # a gone thread's cache is not free to anyone
+    use = r0.usage()
+    assert use["small_objects"] == 0 and use["cached_objects"] == 5, use  # ours to give back
+    assert not cxcheck.check(backend.spec())["problems"]  # no leak: this process runs on
     assert r0._allocator.sweep() == 1
     assert r0.usage()["small_objects"] == 0 and r0.usage()["cached_objects"] == 0
+    t = threading.Thread(target=work)  # a new thread's claim sweeps too
+    t.start()
+    t.join()
+    _until_gone(tids[1])
+    t = threading.Thread(target=lambda: r0.free(r0.alloc(64)))
+    t.start()
+    t.join()
+    assert r0.usage()["cached_objects"] == 1  # the second worker's five went back
 
 
 def test_close_gives_back_what_every_thread_cached(backend):
     r0 = backend.create(size="8M", nodes=2)
     spec = backend.spec()
-    threads = [threading.Thread(target=lambda: [r0.free(r0.alloc(64)) for _ in range(3)])
-               for _ in range(4)]
+    tids = []
+
+    def work():
+        tids.append(threading.get_native_id())
+        for _ in range(3):
+            r0.free(r0.alloc(64))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
     for off in [r0.alloc(1024) for _ in range(7)]:
         r0.free(off)
     assert r0.usage()["cached_objects"] == 7
@@ -146,12 +162,41 @@ def test_close_gives_back_what_every_thread_cached(backend):
         t.start()
     for t in threads:
         t.join()
+    for tid in tids:
+        _until_gone(tid)
     r0.close()
     with cxlrt.open(spec, node=1) as r1:
-        use = r1.usage()
-        # The exited threads' records are swept by close only if they are this
-        # Allocator's: all of them are.
+        use = r1.usage()  # ours and the exited threads' went back
         assert use["small_objects"] == 0 and use["cached_objects"] == 0, use
+
+
+def test_close_leaves_a_running_threads_magazine_to_it_until_it_is_gone(backend):
+    """A thread may be inside a push or a pop when another closes the region: a record
+    given back under it could be claimed by another process and written by both (an
+    object handed out twice). Close leaves it; it goes back once its thread is gone."""
+    r0 = backend.create(size="8M", nodes=2)
+    spec = backend.spec()
+    cached, done, tids = threading.Event(), threading.Event(), []
+
+    def work():
+        tids.append(threading.get_native_id())
+        for off in [r0.alloc(64) for _ in range(6)]:
+            r0.free(off)
+        cached.set()
+        done.wait(30)
+
+    t = threading.Thread(target=work)
+    t.start()
+    assert cached.wait(30)
+    r0.close()
+    with cxlrt.open(spec, node=1) as r1:
+        assert r1.usage()["cached_objects"] == 6  # still the running thread's
+    done.set()
+    t.join()
+    _until_gone(tids[0])
+    with cxlrt.open(spec, node=0) as r0:  # attaching sweeps what gone threads kept
+        assert r0._allocator.swept_at_attach == 1
+        assert r0.usage()["small_objects"] == 0 and r0.usage()["cached_objects"] == 0
 
 
 def test_a_forked_child_never_pops_its_parents_magazine(backend):
@@ -221,3 +266,82 @@ def test_an_object_a_magazine_gave_back_can_be_freed_by_any_node(backend):
     assert r0._allocator.drain() == 40
     assert r0.usage()["small_objects"] == 0
     r1.close()
+
+
+def _churn(spec, node, stop):
+    r = cxlrt.open(spec, node=node)
+    while not stop.is_set():
+        offs = [r.alloc(64) for _ in range(40)]
+        for off in offs:
+            r.free(off)  # past 16 a free gives half the magazine back
+        r.trim()         # the rest goes back, and the emptied chunk
+    r.close()
+
+
+def test_check_of_a_node_that_allocates_and_trims_reports_nothing(backend):
+    """check reads the table, the records and the bitmaps at different moments, while a
+    give-back may clear a bit between them: it must not call that a cached free slot."""
+    backend.create(size="8M", nodes=2, node=1).close()
+    stop = _CTX.Event()
+    p = _CTX.Process(target=_churn, args=(backend.spec(), 0, stop))
+    p.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(6):
+            problems = [x for x in cxcheck.check(backend.spec())["problems"] if "magazine" in x]
+            assert not problems, problems
+    finally:
+        stop.set()
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def _in_new_pid_namespace(spec, out):
+    """Cache objects, move our children into a new pid namespace, fork one there that
+    trims (a sweep): it must judge no record of ours, which it cannot see. Reports as
+    JSON into the file `out` (no thread can start once the namespace is unshared, so
+    no multiprocessing queue either)."""
+    import ctypes
+    import json
+    r = cxlrt.open(spec, node=0)
+    mine = [r.alloc(64) for _ in range(4)]
+    for off in mine:
+        r.free(off)
+    if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
+        report = ["skip", os.strerror(ctypes.get_errno())]
+    else:
+        pid = os.fork()
+        if pid == 0:  # pid 1 of the new namespace: the parent's pid names nobody here
+            code = 0
+            try:
+                r.trim()
+                r._allocator.sweep()
+            except BaseException:  # noqa: BLE001 (reported by the exit code)
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        cached = r.usage()["cached_objects"]
+        again = [r.alloc(64) for _ in range(4)]
+        report = ["done", os.waitstatus_to_exitcode(status), cached, sorted(mine),
+                  sorted(again), r.usage()["small_objects"]]
+    with open(out, "w") as f:
+        json.dump(report, f)
+    os._exit(0)  # no close: its threads' work cannot start threads in here
+
+
+def test_a_process_in_another_pid_namespace_never_sweeps_a_live_magazine(backend):
+    """A forked child in a new pid namespace asks kill() about pids that name nobody
+    there: had it judged our record by them, it would give back objects we pop."""
+    import json
+    backend.create(size="8M", nodes=2, node=1)
+    out = os.path.join(backend.root, "pidns.json")
+    assert _run_child(_in_new_pid_namespace, backend.spec(), out) == 0
+    with open(out) as f:
+        got = json.load(f)
+    if got[0] == "skip":
+        pytest.skip(f"cannot unshare a pid namespace here: {got[1]}")
+    _, code, cached, mine, again, live = got
+    assert code == 0
+    assert cached == 4, "the child gave back a live process's magazine"
+    assert again == mine, "the parent's cached objects were taken from it"
+    assert live == 4  # the four it holds, and nothing given back under it

@@ -142,7 +142,7 @@ def _free_once(r, off):
 
 OPS = {"alloc-64": 64, "alloc-4KiB": 4096, "alloc-large": 200_000, "free-64": 64,
        "free-large": 200_000, "free-remote": 64, "drain": 64}
-RETRIED = {"alloc-large": 4, "free-large": 4 + 8, "free-remote": 4, "drain": 4}
+RETRIED = {"alloc-large": 4, "free-large": 4 + 8, "free-remote": 4, "drain": 4, "free-64": 3}
 
 
 @pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
@@ -194,7 +194,9 @@ def test_a_failed_access_anywhere_in_an_allocator_step_never_allocates_twice(
     # stores are idempotent, after which the call goes through: the allocator lock's
     # release, four accesses (two stores to our own line, a flush, a fence;
     # cxl_lock_release), and the free of a large run, eight more (_clear_run: the head's
-    # store and publish, three tails, the persist).
+    # store and publish, three tails, the persist). A 64 B free goes into the thread's
+    # magazine: once its tag store was tried the object is cached, so the free has
+    # happened whatever the tag's store, flush and fence answered (_mag_push).
     assert k >= 2 and k - errors == RETRIED.get(op, 0), (k, errors)
     for off, _ in live:
         r.free(off)

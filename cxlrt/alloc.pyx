@@ -72,6 +72,8 @@ cdef extern from "cxl_mag.h" nogil:
     void cxl_mag_forget(uint64_t owner)
     int cxl_thread_gone(int pid, int tid)
     uint64_t cxl_pidns_now()
+    uint64_t cxl_mag_process_token(uint64_t seed)
+    uint64_t cxl_mag_next_claim()
     void cxl_compiler_barrier()
 
 
@@ -912,22 +914,8 @@ cdef inline cxl_local_mag* _mag_mine(cxl_allocctx* A) noexcept nogil:
     return <cxl_local_mag*>p
 
 
-cdef uint64_t _mag_ptok = 0
-cdef int _mag_ptok_pid = 0
-cdef uint64_t _mag_claims = 0
-
-
-cdef uint64_t _mag_process() noexcept nogil:
-    """A number naming this process among those a pid could name (drawn again after a
-    fork); under the heap mutex only."""
-    global _mag_ptok, _mag_ptok_pid
-    if _mag_ptok_pid != cxl_pid():
-        _mag_ptok = (cxl_now_ns() * <uint64_t>0x9E3779B97F4A7C15) ^ <uint64_t>cxl_pid() \
-            ^ (<uint64_t>cxl_thread_id() << 32)
-        if _mag_ptok == 0:
-            _mag_ptok = 1
-        _mag_ptok_pid = cxl_pid()
-    return _mag_ptok
+cdef inline uint64_t _mag_process() noexcept nogil:
+    return cxl_mag_process_token(cxl_now_ns())
 
 
 cdef inline uint64_t _mag_tag(cxl_allocctx* A, uint64_t x) noexcept nogil:
@@ -973,7 +961,7 @@ cdef bint _mag_holds(cxl_allocctx* A, uint32_t c, uint64_t x,
     return False
 
 
-cdef int _mag_untag(cxl_allocctx* A, uint64_t x) noexcept nogil:
+cdef inline int _mag_untag(cxl_allocctx* A, uint64_t x) noexcept nogil:
     """Clear a cached object's tag, published, before it is handed out or given back (a
     tag left on a live object makes other nodes refuse its free). Any copy of the
     line goes first: storing into a stale one would write its other words back stale."""
@@ -1115,7 +1103,6 @@ cdef uint64_t _mag_sweep(cxl_allocctx* A) noexcept nogil:
 cdef cxl_local_mag* _mag_claim(cxl_allocctx* A) noexcept nogil:
     """This thread's record, claimed now if it has none (heap mutex held); NULL when
     every record is a live thread's (the thread then goes without)."""
-    global _mag_claims
     cdef cxl_local_mag* m = _mag_mine(A)
     cdef uint32_t i, c, pid = <uint32_t>cxl_pid(), tid = cxl_thread_id()
     cdef uint64_t tok = 0, ptok
@@ -1143,12 +1130,11 @@ cdef cxl_local_mag* _mag_claim(cxl_allocctx* A) noexcept nogil:
         return NULL
     m = _mag_at(A, free_i)
     if m.pid == 0:
-        _mag_claims += 1
         m.tid = tid
         m.pidns = cxl_pidns_now()
         m.owner = A.mag_owner
         m.ptok = ptok
-        m.ctok = (ptok ^ (_mag_claims * <uint64_t>0xBF58476D1CE4E5B9)) | 1
+        m.ctok = (ptok ^ (cxl_mag_next_claim() * <uint64_t>0xBF58476D1CE4E5B9)) | 1
         for c in range(8):
             m.n[c] = 0
         cxl_compiler_barrier()
@@ -1171,10 +1157,11 @@ cdef inline int _mag_push(cxl_allocctx* A, cxl_local_mag* m, uint32_t c, uint64_
     # line may be dirty here, which is safe only on an object nobody else writes,
     # and x must not leave with a tag on it. Its free has happened.
     cdef int tries = 0
-    if cxl_store64(A.r, x + TAG_WORD, _mag_tag(A, x)) == 0:
+    if cxl_store64(A.r, x + TAG_WORD, _mag_tag(A, x)) == 0 \
+            and unlikely(cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t)) != 0):
         # Retried: an unpublished tag is one other nodes cannot see (a second free of
         # x from there would be queued), on a line left dirty here.
-        while cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t)) != 0 and tries < CLEAR_TRIES:
+        while tries < CLEAR_TRIES and cxl_publish(A.r, x + TAG_WORD, sizeof(uint64_t)) != 0:
             tries += 1
     m.slot[c][i] = x
     cxl_compiler_barrier()

@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
+#include <pthread.h>
 
 #define CXL_MAG_TLS 4
 
@@ -18,6 +19,48 @@
 typedef struct { uint64_t owner; void *rec; int pid; uint64_t tok; } cxl_mag_entry;
 static __thread cxl_mag_entry cxl_mag_tls[CXL_MAG_TLS] CXL_TLS_IE;
 static __thread unsigned cxl_mag_tls_next CXL_TLS_IE;
+
+/* A fork's child starts with an empty cache and a new process token: a pid does not
+ * tell parent from child (a child forked into a new pid namespace by that
+ * namespace's pid 1 is pid 1 too, with tid 1), and a reused pid could name another. */
+static uint64_t cxl_mag_ptok;
+static void cxl_mag_after_fork(void)
+{
+    int i;
+    for (i = 0; i < CXL_MAG_TLS; i++)
+        cxl_mag_tls[i].owner = 0;
+    cxl_mag_tls_next = 0;
+    cxl_mag_ptok = 0;
+}
+
+static inline void cxl_mag_watch_forks(void)
+{
+    static int registered;
+    if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL))
+        pthread_atfork(NULL, NULL, cxl_mag_after_fork);
+}
+
+/* A number naming this process among those a pid could name, drawn once per process
+ * (and again in a fork's child); 0 never. */
+static inline uint64_t cxl_mag_process_token(uint64_t seed)
+{
+    uint64_t t = __atomic_load_n(&cxl_mag_ptok, __ATOMIC_ACQUIRE), zero = 0;
+    if (t)
+        return t;
+    cxl_mag_watch_forks();
+    t = (seed * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)syscall(SYS_gettid);
+    if (!t)
+        t = 1;
+    if (!__atomic_compare_exchange_n(&cxl_mag_ptok, &zero, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        t = zero;  /* another thread drew first */
+    return t;
+}
+
+static uint64_t cxl_mag_claims;
+static inline uint64_t cxl_mag_next_claim(void)
+{
+    return __atomic_add_fetch(&cxl_mag_claims, 1, __ATOMIC_RELAXED);
+}
 
 static inline void *cxl_mag_find(uint64_t owner, int pid, uint64_t *tok)
 {

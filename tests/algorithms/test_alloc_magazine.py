@@ -296,6 +296,21 @@ def test_check_of_a_node_that_allocates_and_trims_reports_nothing(backend):
     assert p.exitcode == 0
 
 
+def _namespaced(backend, fn):
+    """Run fn(spec, out) in a child, which reports as JSON into the file `out` (no
+    thread, so no multiprocessing queue, can start once a pid namespace is unshared);
+    skip where this host refuses to unshare one."""
+    import json
+    backend.create(size="8M", nodes=2, node=1)
+    out = os.path.join(backend.root, fn.__name__ + ".json")
+    assert _run_child(fn, backend.spec(), out) == 0
+    with open(out) as f:
+        got = json.load(f)
+    if got[0] == "skip":
+        pytest.skip(f"cannot unshare a pid namespace here: {got[1]}")
+    return got
+
+
 def _in_new_pid_namespace(spec, out):
     """Cache objects, move our children into a new pid namespace, fork one there that
     trims (a sweep): it must judge no record of ours, which it cannot see. Reports as
@@ -332,16 +347,61 @@ def _in_new_pid_namespace(spec, out):
 def test_a_process_in_another_pid_namespace_never_sweeps_a_live_magazine(backend):
     """A forked child in a new pid namespace asks kill() about pids that name nobody
     there: had it judged our record by them, it would give back objects we pop."""
-    import json
-    backend.create(size="8M", nodes=2, node=1)
-    out = os.path.join(backend.root, "pidns.json")
-    assert _run_child(_in_new_pid_namespace, backend.spec(), out) == 0
-    with open(out) as f:
-        got = json.load(f)
-    if got[0] == "skip":
-        pytest.skip(f"cannot unshare a pid namespace here: {got[1]}")
+    got = _namespaced(backend, _in_new_pid_namespace)
     _, code, cached, mine, again, live = got
     assert code == 0
     assert cached == 4, "the child gave back a live process's magazine"
     assert again == mine, "the parent's cached objects were taken from it"
     assert live == 4  # the four it holds, and nothing given back under it
+
+
+def _pid1_forks_pid1(spec, out):
+    """A namespace's pid 1 caches objects, then forks into a new namespace of its own: the
+    child is pid 1 with tid 1 too, so a pid does not tell the two apart. Reports as
+    JSON into the file `out`."""
+    import ctypes
+    import json
+    libc = ctypes.CDLL(None, use_errno=True)
+    r = cxlrt.open(spec, node=0)
+    if libc.unshare(0x20000000) != 0:  # CLONE_NEWPID
+        with open(out, "w") as f:
+            json.dump(["skip", os.strerror(ctypes.get_errno())], f)
+        os._exit(0)
+    g = os.fork()
+    if g == 0:  # pid 1
+        code = 1
+        try:
+            cached = [r.alloc(64) for _ in range(6)]
+            for off in cached:
+                r.free(off)
+            if libc.unshare(0x20000000) != 0:
+                os._exit(3)
+            rd, wr = os.pipe()
+            h = os.fork()
+            if h == 0:  # pid 1 again, in the next namespace
+                got = [r.alloc(64) for _ in range(3)]
+                os.write(wr, json.dumps([os.getpid(), got]).encode())
+                os._exit(0)
+            os.close(wr)
+            hpid, theirs = json.loads(os.read(rd, 65536).decode())
+            os.waitpid(h, 0)
+            ours = [r.alloc(64) for _ in range(3)]
+            with open(out, "w") as f:
+                json.dump(["done", os.getpid(), hpid, cached, theirs, ours], f)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(g, 0)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def test_a_child_that_is_pid_1_like_its_parent_never_pops_its_parents_magazine(backend):
+    """A container's init that sandboxes a child in a new pid namespace: both are pid 1,
+    tid 1. The child's copy of its parent's record cache must not name the parent's
+    record (a fork empties it), nor may the parent's process token be the child's."""
+    got = _namespaced(backend, _pid1_forks_pid1)
+    _, gpid, hpid, cached, theirs, ours = got
+    assert gpid == hpid == 1
+    assert not set(theirs) & set(ours), "parent and child were handed the same object"
+    assert set(ours) <= set(cached) and not set(theirs) & set(cached), \
+        "the child popped its parent's magazine"

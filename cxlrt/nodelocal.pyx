@@ -121,6 +121,15 @@ cdef class NodeLocal:
         with self.serialised():
             self.fresh = False
             if not _valid(self.path, uuid, node):
+                if os.path.exists(self.path) and in_use(self.path):
+                    # Another build's layout (or a torn file) that a live process still
+                    # maps: a second file would give this node two heap mutexes and two
+                    # lock tables, each "the" node's.
+                    from cxlrt.errors import RegionError
+                    raise RegionError(
+                        f"{self.path}: node {node}'s node-local file has another cxlrt "
+                        "build's layout and a live process uses it; close that "
+                        "process's regions (or stop it) before attaching with this build")
                 os.replace(_build(self.path, uuid, node), self.path)
                 self.fresh = True
             self.mapping = _mapping(self.path)

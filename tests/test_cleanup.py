@@ -361,3 +361,27 @@ def test_clean_leaves_another_users_node_untouched(region_dir, monkeypatch):
     assert done["medium"] == [f"{region_dir}/r"]
     assert [x["removed"] for x in done["node_files"]] == [False, False]
     assert _files(region_dir, uuid) == before
+
+
+def test_an_attach_refuses_a_node_local_file_of_another_build_that_a_live_process_uses(region_dir):
+    """An upgrade beside a running process of the older build: its node-local file has
+    another layout. Replacing it would give the node two files, so two heap mutexes
+    (an object handed out twice); the attach refuses while that process uses it, and
+    rebuilds the file once nobody does."""
+    spec = f"file:{region_dir}/r"
+    cxlrt.format(spec, size="4M", nodes=2, lease=LEASE)
+    path = nodelocal.local_path(int(cxlrt.inspect(spec)["uuid"], 16), 1)
+    with open(path, "wb") as f:  # an older build's file: other magic, other size
+        f.write(b"CXLLOCL2" + bytes(4096 * 3))
+    user = os.open(path, os.O_RDONLY)  # its process holds the in-use lock (nodelocal._use)
+    try:
+        fcntl.fcntl(user, fcntl.F_OFD_SETLK, struct.pack(nodelocal._OFD, fcntl.F_RDLCK,
+                                                         os.SEEK_SET, 0, 1, 0))
+        with pytest.raises(RegionError, match="another cxlrt build's layout"):
+            cxlrt.open(spec, node=1)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"CXLLOCL2", "the file in use was replaced"
+    finally:
+        os.close(user)
+    with cxlrt.open(spec, node=1) as r:  # nobody uses it now: rebuilt
+        r.free(r.alloc(64))

@@ -49,6 +49,9 @@ def _mounts():
 
 # The failure-injection suites (see the module docstring).
 GUEST_SKIP = (
+    # The magazines' suite is node-local protocol (threads, forks, pid namespaces, kills)
+    # over the same medium calls as the allocator's: outside, on every backend.
+    "--ignore=tests/algorithms/test_alloc_magazine.py "
     "--ignore=tests/algorithms/test_recovery.py --ignore=tests/algorithms/test_clock_skew.py "
     "--ignore=tests/algorithms/test_directory_crash.py "
     "--ignore=tests/algorithms/test_kvcache_failures.py "

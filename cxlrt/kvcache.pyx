@@ -40,9 +40,9 @@ from cxlrt.includes.intrin cimport CXLRT_DEBUG, cxl_pid, cxl_prefetch, unlikely
 from cxlrt.kvclaim cimport Claims, kv_raise
 from cxlrt.kvformat cimport kv_attach
 from cxlrt.kvindex cimport (KV_PAYLOAD_MAGIC, kv_cnode, kv_cpid, kv_entry_at, kv_gen,
-                            kv_get_counters, kv_index, kv_kind, kv_line_ok, kv_meta, kv_mix,
-                            kv_owner_node, kv_owner_pid, kv_payload_ok, kv_probe, kv_read, kv_state,
-                            kv_stats_at, kv_zero)
+                            kv_get_counters, kv_index, kv_kind, kv_line_ok, kv_meta,
+                            kv_mix, kv_owner_node, kv_owner_pid, kv_payload_ok, kv_probe,
+                            kv_probe_from, kv_read, kv_same_key, kv_state, kv_stats_at, kv_zero)
 from cxlrt.kvpins cimport KV_PIN_MAX, PIN_BATCH, PinTable, kv_repeats
 from cxlrt.kvwrite cimport Writer
 from cxlrt.layout cimport kv_counters, kv_geometry, kv_header, kv_payload_header
@@ -61,7 +61,16 @@ from cxlrt.hashing import ALGORITHMS, KEY_BYTES, block_hashes, salt_digest
 # the object format's public names, importable from here as before the split
 from cxlrt.kvformat import DIR_PREFIX, FORMAT_MAGIC, FORMAT_VERSION, header_checksum
 
+cdef extern from "Python.h":  # on a borrowed pointer: no reference count touched
+    bint _bytes_exact "PyBytes_CheckExact"(PyObject* o) noexcept
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o) noexcept
+    const char* _bytes_chars "PyBytes_AS_STRING"(PyObject* o) noexcept
+
 cdef int* _armed = cxl_crash_armed_ptr()
+cdef enum:
+    HOME_BATCH = 8  # home lines a lookup observes, and checks, together
+    SMALL_HIT = 32  # keys a Hit's spare allocation (_spares) holds
+    AT_HOME = 0x7fffffff  # _probe_homes: the key is in its home line (no walk)
 
 cdef kv_entry _proto
 # offsetof by address difference (Cython has no offsetof): the enum constants of
@@ -404,6 +413,69 @@ cdef class KVCache:
         keep[0] = m
         return 0
 
+    cdef int _probe_homes(self, Hit hit, uint64_t* out) noexcept nogil:
+        """_lookup's probe off a direct mapping: the leading ready run of hit's keys
+        (*out of them) into hit.slots/gens/offs. A key's entry is most often in its
+        home line, so HOME_BATCH home lines are observed first and their check words
+        computed in one loop: the seven dependent multiplies of one line's check
+        overlap the other lines' instead of waiting for the last key's. A key that is
+        not whole and ready at home walks on in kv_probe_from: past a line that holds
+        another key or a tombstone from the next slot, else (a torn, corrupt or all
+        zero line) from the home slot, which it reads again and judges.
+        (Tried: walking the displaced keys in rounds the same way; it was slower.)"""
+        cdef kv_entry lines[HOME_BATCH]
+        cdef uint64_t mix[HOME_BATCH]
+        cdef uint64_t home[HOME_BATCH]
+        cdef uint64_t base = 0, k, i, h, s = 0, free_slot, m = 0, first
+        cdef uint32_t st
+        cdef kv_entry* e
+        cdef kv_entry walked
+        cdef int rc, found
+        out[0] = 0
+        while base < hit.n:
+            k = hit.n - base if hit.n - base < HOME_BATCH else HOME_BATCH
+            for i in range(k):
+                memcpy(&h, hit.key(base + i), 8)
+                home[i] = h & self.K.mask
+                rc = cxl_observe(self.r, kv_entry_at(&self.K, home[i]), &lines[i],
+                                 sizeof(kv_entry))
+                if rc != 0:
+                    return rc
+            for i in range(k):
+                mix[i] = kv_mix(&lines[i])
+            for i in range(k):
+                e = &lines[i]
+                s = home[i]
+                st = kv_state(e)
+                if e.check != mix[i] or st > KV_EVICTING:
+                    first = 0  # torn (or all zero: then empty) or corrupt: kv_probe judges
+                elif st == KV_EMPTY:
+                    return 0
+                elif st != KV_TOMBSTONE and kv_same_key(e, hit.key(base + i)):
+                    first = AT_HOME
+                else:
+                    first = 1  # kv_probe's first step, taken here
+                if first != AT_HOME:
+                    found = kv_probe_from(&self.K, hit.key(base + i), first, &s, &walked,
+                                          &free_slot)
+                    if found < 0:
+                        return found
+                    if found == 0:
+                        return 0
+                    e = &walked
+                if kv_state(e) != KV_READY:
+                    return 0
+                if not kv_payload_ok(&self.K, e):
+                    self.K.bad_slot = s
+                    return CXLRT_E_KVCORRUPT
+                hit.slots[m] = s
+                hit.gens[m] = kv_gen(e)
+                hit.offs[m] = e.off
+                m += 1
+                out[0] = m
+            base += k
+        return 0
+
     cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out,
                      uint64_t* stuck) noexcept nogil:
         """Probe the keys, pin the leading ready run in one pass of the pin mutex
@@ -420,22 +492,30 @@ cdef class KVCache:
         if (self.r.flags & CXL_F_DIRECT) and (self.r.flags & CXL_F_NOFLUSH):
             # Every home line first, so their misses overlap (not where _read flushes
             # the line before it loads it: the prefetch would be thrown away).
+            # The next line too: a key displaced by a collision (one in five at the
+            # table's load of 1/2) is there.
             for j in range(hit.n):
                 memcpy(&h, hit.key(j), 8)
                 cxl_prefetch(self.r.base + kv_entry_at(&self.K, h & self.K.mask))
-        for j in range(hit.n):
-            found = kv_probe(&self.K, hit.key(j), &s, &e, &free_slot)
-            if found < 0:
-                return found
-            if found == 0 or kv_state(&e) != KV_READY:
-                break
-            if not kv_payload_ok(&self.K, &e):
-                self.K.bad_slot = s
-                return CXLRT_E_KVCORRUPT
-            hit.slots[m] = s
-            hit.gens[m] = kv_gen(&e)
-            hit.offs[m] = e.off
-            m += 1
+                cxl_prefetch(self.r.base + kv_entry_at(&self.K, (h + 1) & self.K.mask))
+        if self.r.flags & CXL_F_DIRECT:
+            rc = self._probe_homes(hit, &m)
+            if rc != 0:
+                return rc
+        else:  # a line a request (rdma:): none read past the first miss
+            for j in range(hit.n):
+                found = kv_probe(&self.K, hit.key(j), &s, &e, &free_slot)
+                if found < 0:
+                    return found
+                if found == 0 or kv_state(&e) != KV_READY:
+                    break
+                if not kv_payload_ok(&self.K, &e):
+                    self.K.bad_slot = s
+                    return CXLRT_E_KVCORRUPT
+                hit.slots[m] = s
+                hit.gens[m] = kv_gen(&e)
+                hit.offs[m] = e.off
+                m += 1
         if m == 0:
             return 0
         self._pt.prefetch(hit.slots, m)
@@ -1057,8 +1137,16 @@ cdef class KVCache:
                 f"capacity={self.capacity} on {self.region.spec}>")
 
 
+# A Hit's allocation for up to SMALL_HIT keys is taken from, and given back to, a
+# few spares (GIL held in _fill and dealloc): a lookup then neither allocates nor
+# frees one. Process-private memory, so a forked child may keep what it inherits.
+cdef void* _spares[8]
+cdef int _nspares = 0
+
+
 @cython.no_gc  # refers only to its cache, bytes and staged handles (a window, a list of
 # ints): it cannot be part of a cycle, so the collector never clears it before dealloc
+@cython.freelist(8)  # one made and dropped per lookup
 cdef class Hit:
     """Pinned leading blocks of a lookup: ``len(hit)``, ``hit.keys``, ``release()``.
 
@@ -1077,6 +1165,7 @@ cdef class Hit:
     cdef int owner_pid
     cdef object _staged           # (StagingWindow or None, handle or device hold per block, 0:
     #                               none) after prefetch
+    cdef bint _spare              # slots is a SMALL_HIT allocation: back to _spares at the end
 
     cdef int _fill(self, keys) except -1:
         """Validate `keys` (a sequence of 16-byte bytes) and copy them in."""
@@ -1086,19 +1175,29 @@ cdef class Hit:
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), j
         cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef object k
+        global _nspares
         cdef size_t total = <size_t>max(n, 1) * (24 + KV_KEY_BYTES)
-        self.slots = <uint64_t*>malloc(total)
+        if n <= SMALL_HIT:
+            total = SMALL_HIT * (24 + KV_KEY_BYTES)
+            self._spare = True
+            if _nspares > 0:
+                _nspares -= 1
+                self.slots = <uint64_t*>_spares[_nspares]
+            else:
+                self.slots = <uint64_t*>malloc(total)
+        else:
+            self.slots = <uint64_t*>malloc(total)
         if self.slots == NULL:
             raise MemoryError()
         self.gens = self.slots + max(n, 1)
         self.offs = self.gens + max(n, 1)
         self.kb = <char*>(self.offs + max(n, 1))
-        for j in range(n):
-            k = <object>items[j]
-            if not PyBytes_CheckExact(k) or PyBytes_GET_SIZE(k) != KV_KEY_BYTES:
+        for j in range(n):  # borrowed: seq holds them (no reference count written)
+            if not _bytes_exact(items[j]) or _bytes_size(items[j]) != KV_KEY_BYTES:
+                k = <object>items[j]
                 raise ValueError(f"keys must be {KV_KEY_BYTES}-byte bytes (from block_hashes), "
                                  f"got {k!r:.40}")
-            memcpy(self.kb + j * KV_KEY_BYTES, PyBytes_AS_STRING(k), KV_KEY_BYTES)
+            memcpy(self.kb + j * KV_KEY_BYTES, _bytes_chars(items[j]), KV_KEY_BYTES)
         self.n = n
         return 0
 
@@ -1149,10 +1248,14 @@ cdef class Hit:
 
     def release(self):
         """Unpin the blocks (idempotent), after releasing any staged copies of them."""
+        self._release()
+
+    cdef int _release(self) except -1:
         cdef int rc = 0
         cdef bint held = False
         cdef uint64_t st[KV_ST_WORDS]
-        self._drop_staged()
+        if self._staged is not None:
+            self._drop_staged()
         mine = self._mine()
         self.released = True
         if mine:
@@ -1164,23 +1267,30 @@ cdef class Hit:
                     self.cache._add_pending(st)
                     self.cache._orphan(self.slots, self.n)
                 self.cache._raise(rc, "release")
+        return 0
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.release()
+        self._release()  # not through the method's name: this is every lookup's exit
 
     def __dealloc__(self):
         # Never waits for a lock (see KVCache._try_unpin); an error is dropped, as
         # release() would have raised it to nobody.
         cdef bint held = False
-        self._drop_staged()
-        if self._mine():
-            self.cache._try_unpin(self.slots, self.n, &held)
-            if held:
-                self.cache._orphan(self.slots, self.n)
-        free(self.slots)
+        if not self.released or self._staged is not None:
+            self._drop_staged()
+            if self._mine():
+                self.cache._try_unpin(self.slots, self.n, &held)
+                if held:
+                    self.cache._orphan(self.slots, self.n)
+        global _nspares
+        if self._spare and self.slots != NULL and _nspares < 8:
+            _spares[_nspares] = self.slots
+            _nspares += 1
+        else:
+            free(self.slots)
 
     def __repr__(self):
         return f"<Hit {self.n} blocks{' released' if self.released else ''}>"

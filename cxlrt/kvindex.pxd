@@ -10,7 +10,8 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cxlrt.alloc cimport cxl_allocctx
 from cxlrt.backend cimport cxl_region
-from cxlrt.kvcache cimport (KV_EVICTING, KV_READY, KV_WRITING, kv_claim, kv_entry, kv_stats)
+from cxlrt.kvcache cimport (KV_EVICTING, KV_PAYLOAD_HDR, KV_READY, KV_WRITING, kv_claim, kv_entry,
+                            kv_stats)
 from cxlrt.kvpins cimport kv_pin_word
 from cxlrt.layout cimport kv_counters, kv_header
 from cxlrt.lock cimport cxl_lockctx
@@ -78,7 +79,10 @@ cdef inline uint64_t kv_gen(const kv_entry* e) noexcept nogil:
 
 
 cdef inline bint kv_same_key(const kv_entry* e, const char* k) noexcept nogil:
-    return memcmp(<const void*>e.key, k, sizeof(e.key)) == 0
+    # Two word compares, not memcmp: gcc calls libc's for it, and every probe asks.
+    cdef uint64_t w[2]
+    memcpy(w, k, sizeof(w))
+    return ((e.key[0] ^ w[0]) | (e.key[1] ^ w[1])) == 0
 
 
 cdef inline void kv_set_key(kv_entry* e, const char* k) noexcept nogil:
@@ -173,14 +177,23 @@ cdef inline uint64_t kv_counted() noexcept nogil:
 
 # --- the index (kvindex.pyx) ---------------------------------------------------------
 
+cdef inline bint kv_payload_ok(const kv_index* K, const kv_entry* e) noexcept nogil:
+    """Whether an entry's payload could be one: its length, alignment and bounds
+    (inline: every key of a lookup asks)."""
+    return (e.len == KV_PAYLOAD_HDR + K.block_bytes and e.off % 64 == 0
+            and e.off >= K.heap_lo and e.off <= K.heap_hi
+            and e.len <= K.heap_hi - e.off)
+
+
 cdef int kv_read(kv_index* K, uint64_t s, kv_entry* e) noexcept nogil
 cdef int kv_write(kv_index* K, uint64_t s, kv_entry* e) noexcept nogil
 cdef int kv_fenced(kv_index* K) noexcept nogil
 cdef int kv_put(kv_index* K, uint64_t at, const void* line) noexcept nogil
 cdef int kv_get(kv_index* K, uint64_t at, void* line) noexcept nogil
-cdef bint kv_payload_ok(kv_index* K, const kv_entry* e) noexcept nogil
 cdef int kv_probe(kv_index* K, const char* key, uint64_t* slot, kv_entry* e,
                   uint64_t* free_slot) noexcept nogil
+cdef int kv_probe_from(kv_index* K, const char* key, uint64_t first, uint64_t* slot,
+                       kv_entry* e, uint64_t* free_slot) noexcept nogil
 cdef int kv_get_counters(kv_index* K, kv_counters* w) noexcept nogil
 cdef int kv_set_counters(kv_index* K, const kv_counters* w) noexcept nogil
 cdef int kv_add_occupancy(kv_index* K, long long d, long long nbytes) noexcept nogil

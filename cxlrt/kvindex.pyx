@@ -67,23 +67,24 @@ cdef int kv_get(kv_index* K, uint64_t at, void* line) noexcept nogil:
     return rc
 
 
-cdef bint kv_payload_ok(kv_index* K, const kv_entry* e) noexcept nogil:
-    return (e.len == KV_PAYLOAD_HDR + K.block_bytes and e.off % 64 == 0
-            and e.off >= K.heap_lo and e.off <= K.heap_hi
-            and e.len <= K.heap_hi - e.off)
-
-
 cdef int kv_probe(kv_index* K, const char* key, uint64_t* slot, kv_entry* e,
                   uint64_t* free_slot) noexcept nogil:
     """Find `key`: 1 with its slot and entry, or 0 (absent) with the slot an
     insert would take (the first tombstone, else the empty slot ending the run)
     in free_slot (-1 when the table is full). Negative: an error."""
+    return kv_probe_from(K, key, 0, slot, e, free_slot)
+
+
+cdef int kv_probe_from(kv_index* K, const char* key, uint64_t first, uint64_t* slot,
+                       kv_entry* e, uint64_t* free_slot) noexcept nogil:
+    """kv_probe whose walk starts `first` slots past the key's home: for a caller that
+    has looked at the slots before it itself (free_slot then says only of the rest)."""
     cdef uint64_t h, s, i
     cdef uint32_t st
     cdef int rc
     memcpy(&h, key, 8)
     free_slot[0] = <uint64_t>-1
-    for i in range(K.slots):
+    for i in range(first, K.slots):
         s = (h + i) & K.mask
         rc = kv_read(K, s, e)
         if rc != 0:

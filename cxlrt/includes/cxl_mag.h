@@ -15,7 +15,9 @@
 
 /* initial-exec: a few dozen bytes of the static TLS surplus, and no __tls_get_addr
  * call per lookup (which cost a fifth of an alloc+free pair in a shared object). */
+#ifndef CXL_TLS_IE
 #define CXL_TLS_IE __attribute__((tls_model("initial-exec")))
+#endif
 typedef struct { uint64_t owner; void *rec; int pid; uint64_t tok; } cxl_mag_entry;
 static __thread cxl_mag_entry cxl_mag_tls[CXL_MAG_TLS] CXL_TLS_IE;
 static __thread unsigned cxl_mag_tls_next CXL_TLS_IE;

@@ -452,6 +452,46 @@ def test_steady_eviction_keeps_probe_walks_short(backend):
         assert len(hit) == 16
 
 
+def _homed(home: int, tag: int) -> bytes:
+    """A 16-byte key whose home slot is `home` (its first 8 bytes, masked)."""
+    return home.to_bytes(8, "little") + b"homed" + tag.to_bytes(3, "little")
+
+
+def test_keys_crowded_onto_one_home_slot_are_found_past_one_another(backend):
+    """A lookup reads its keys' home lines a batch at a time and walks on only for a
+    key found elsewhere: past another key, past a tombstone, and around the table's
+    end. In chains longer than one batch every key is found, and a hit ends exactly at
+    the first key that is absent or deleted."""
+    r = backend.create(nodes=1)
+    c = open_cache(r, block_bytes=64, capacity_blocks=32)  # 64 slots
+    last = c.slots - 1
+    crowd = [_homed(last, i) for i in range(6)]  # one home: the walk wraps to 0..4
+    spread = [_homed(5 * i % c.slots, 100 + i) for i in range(1, 15)]  # 65: slot 1
+    keys = [k for pair in zip(spread, crowd + [None] * 8, strict=True) for k in pair if k]
+    assert len(keys) == 20
+    assert c.store(keys, [block_for(k, 64) for k in keys]) == keys
+    table = _table(r, c)
+    away = [(s - home) % c.slots for s, (st, home) in enumerate(table)
+            if st == 2 and home != s]
+    assert len(away) >= 5 and 1 in away, f"too few keys away from home: {away}"
+    with c.lookup(keys) as hit:
+        assert len(hit) == 20
+        assert list(hit.keys) == keys
+    assert c.delete([crowd[0]]) == [crowd[0]]
+    assert _table(r, c)[last][0] == 3, "the deleted key's home slot should hold a tombstone"
+    with c.lookup(keys) as hit:
+        assert len(hit) == keys.index(crowd[0])
+    rest = [k for k in keys if k != crowd[0]]
+    with c.lookup(rest) as hit:
+        assert len(hit) == 19
+    absent = rest[:11] + [_homed(last, 999)] + rest[11:]
+    with c.lookup(absent) as hit:
+        assert len(hit) == 11
+    with c.lookup([_homed(0, 998)] + rest) as hit:  # a miss at a home that others crowd
+        assert len(hit) == 0
+    r.close()
+
+
 def test_a_store_evicts_only_for_the_keys_it_lacks(backend):
     """A full cache evicts once for the whole store, sized by the keys still absent:
     keys already present are skipped, and no other block is evicted for them."""
@@ -632,6 +672,28 @@ def test_a_corrupted_entry_raises_never_crashes(backend, how):
         _corrupt(r, c, keys[1], raw=bytes(range(64)))  # the check word cannot match
     with pytest.raises(cxlrt.RegionError, match="corrupt"):
         c.lookup(keys)
+    r.close()
+
+
+def test_a_corrupt_line_inside_a_walk_raises_for_every_key_that_walks_past_it(backend):
+    """Keys A, C, B share one home slot; C's line (A's next) loses a bit of its key, so
+    its check word no longer matches. A lookup of C or B walks past that line and must
+    say the region is corrupt, not miss (a review found a lookup that checked only the
+    line it stopped at: B was then a silent miss). A, at home, is still found."""
+    r = backend.create(nodes=1)
+    c = open_cache(r, block_bytes=64, capacity_blocks=32)
+    a, mid, b = (_homed(7, t) for t in (1, 2, 3))
+    assert c.store([a, mid, b], [block_for(k, 64) for k in (a, mid, b)]) == [a, mid, b]
+    e = next(e for e in c.entries() if e["key"] == mid)
+    assert e["slot"] == 8
+    raw = bytearray(forge_entry(mid, 2, e["generation"], e["offset"], e["length"]))
+    raw[15] ^= 0x40
+    _corrupt(r, c, mid, raw=bytes(raw))
+    for keys in ([b], [mid], [a, mid, b]):
+        with pytest.raises(cxlrt.RegionError, match="corrupt"):
+            c.lookup(keys)
+    with c.lookup([a]) as hit:
+        assert len(hit) == 1
     r.close()
 
 

@@ -48,7 +48,8 @@ the tokens every mode must reproduce exactly.
     ``blocks``, ``computed_blocks``, ``decode_recomputed_blocks`` and ``kv_bytes``
     (``stored_bytes``, ``prefill_loaded_bytes``, ``decode_loaded_bytes``); ``workers`` holds each
     worker's exit stats (cxlrt: its ``cache.stats()``); ``ttft_parts_s`` lists
-    each request's ``rid``, ``conv``, ``turn``, ``ttft_s`` and its four parts.
+    each request's ``rid``, ``conv``, ``turn``, ``issued_s`` (after the mode's first
+    request), ``ttft_s`` and its four parts.
 ``ratios``
     ``cxlrt/nocache``, ``cxlrt/tcp`` and ``cxlrt/tcp_cache``: ``ttft_mean`` and
     ``ttft_p99`` (below 1: cxlrt is faster), overall and per turn in ``turns``.

@@ -93,8 +93,7 @@ cdef class PinTable:
     cdef void leave(self) noexcept nogil
     cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
     cdef int add_locked(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil
-    cdef int _lower(self, const uint64_t* slots, uint64_t n, uint16_t* mine,
-                    uint64_t stamp) noexcept nogil
+    cdef int _lower(self, const uint64_t* slots, uint64_t n, uint16_t* mine) noexcept nogil
     cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
                        uint64_t stamp, uint64_t* did) noexcept nogil
     cdef int _add_batch(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,

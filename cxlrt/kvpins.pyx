@@ -173,10 +173,7 @@ cdef class PinTable:
         medium does, our record ends exact: pins go on all or nothing (an error takes
         back those that went on), and always come off. Where a write failed, the mutex
         is marked, and the next taker writes the words from the records."""
-        # An LRU hint compared with entries' store stamps (fine clock): a coarse clock
-        # lags by up to a tick (4 ms), and a block pinned just after a store then
-        # looks older than it, so eviction takes the wrong one.
-        cdef uint64_t i = 0, m, did = 0, stamp = (cxl_wall_ns() // 1000000) << 16
+        cdef uint64_t i = 0, m, did = 0, stamp
         cdef uint16_t* mine
         cdef int rc = 0
         CXL_ASSERT(cxl_lock_held(self.L, self.lock_id, False), b"pins changed without the mutex")
@@ -184,7 +181,14 @@ cdef class PinTable:
             return CXLRT_E_KVNOREC
         mine = self._record(self._rec)
         if delta < 0:
-            return self._lower(slots, n, mine, stamp)
+            return self._lower(slots, n, mine)
+        # A block's recency is its latest pin, which is its latest lookup: an unpin
+        # keeps the word's stamp (so a lookup reads the clock once, not twice, and a
+        # sweep of a dead process's pins makes no block look used). It is an LRU hint
+        # compared with entries' store stamps (fine clock): a coarse clock lags by up
+        # to a tick (4 ms), and a block pinned just after a store then looks older
+        # than it, so eviction takes the wrong one.
+        stamp = (cxl_wall_ns() // 1000000) << 16
         if self.r.flags & CXL_F_DIRECT:
             rc = self._add_each(slots, n, delta, mine, stamp, &i)
         else:
@@ -212,18 +216,17 @@ cdef class PinTable:
             # failed fence leaves the words unpublished: the next taker rebuilds.
             self._unsound()
             if i > 0:
-                self._lower(slots, i, mine, stamp)  # all or nothing: the caller fails
+                self._lower(slots, i, mine)  # all or nothing: the caller fails
             self.done = 0
             return rc
         rc = cxl_fence(self.r)
         if rc != 0:
             self._unsound()
-            self._lower(slots, n, mine, stamp)
+            self._lower(slots, n, mine)
             self.done = 0
         return rc
 
-    cdef int _lower(self, const uint64_t* slots, uint64_t n, uint16_t* mine,
-                    uint64_t stamp) noexcept nogil:
+    cdef int _lower(self, const uint64_t* slots, uint64_t n, uint16_t* mine) noexcept nogil:
         """add_locked(-1): PIN_BATCH slots at a time, our record first, then the
         region's words of the slots it lowered; after an error only the record, and
         the mutex is marked. A process killed between the two leaves the region one
@@ -244,9 +247,9 @@ cdef class PinTable:
                     k += 1
             if rc == 0 and k:
                 if (self.r.flags & CXL_F_DIRECT) or kv_repeats(take, k):
-                    rc = self._add_each(take, k, -1, NULL, stamp, &did)
+                    rc = self._add_each(take, k, -1, NULL, 0, &did)
                 else:
-                    rc = self._add_batch(take, k, -1, NULL, stamp, &did)
+                    rc = self._add_batch(take, k, -1, NULL, 0, &did)
             i += m
         if rc == 0:
             rc = cxl_fence(self.r)
@@ -258,8 +261,9 @@ cdef class PinTable:
     cdef int _add_each(self, const uint64_t* slots, uint64_t n, int delta, uint16_t* mine,
                        uint64_t stamp, uint64_t* did) noexcept nogil:
         """add_locked's pass a word at a time; *did: slots done (all, unless rc != 0).
-        A raise changes `mine` after each word; a lowering comes from _lower, which
-        changed the record first (mine is NULL)."""
+        A raise changes `mine` after each word and writes `stamp`; a lowering comes
+        from _lower, which changed the record first (mine is NULL), and keeps each
+        word's stamp."""
         cdef uint64_t i = 0, w, at, cnt
         cdef int rc = 0
         for i in range(n):
@@ -278,6 +282,8 @@ cdef class PinTable:
                 cnt += 1
             elif cnt > 0:
                 cnt -= 1
+            if delta < 0:
+                stamp = w & ~(<uint64_t>KV_PIN_MAX)  # recency stays the latest pin's
             rc = cxl_store64(self.r, at, stamp | cnt)
             if rc == 0:
                 rc = cxl_flush_nodrain(self.r, at, sizeof(uint64_t))
@@ -326,7 +332,7 @@ cdef class PinTable:
                 cnt += 1
             elif cnt > 0:
                 cnt -= 1
-            w[k] = stamp | cnt
+            w[k] = (stamp if delta > 0 else w[k] & ~(<uint64_t>KV_PIN_MAX)) | cnt
             k += 1
         wrc = cxl_scatter64(self.r, <uint32_t>k, offs, w) if k else 0
         for i in range(k):

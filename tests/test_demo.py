@@ -263,6 +263,11 @@ def test_ttft_split_sums_to_the_ttft_in_every_mode(quick):
             assert sum(p[k] for k in report["ttft_parts"]) == pytest.approx(p["ttft_s"], abs=1e-6)
             assert all(p[k] >= -1e-6 for k in report["ttft_parts"])  # stamps in time order
             assert p["compute"] > 0
+        by_conv = sorted(parts, key=lambda p: (p["conv"], p["turn"]))
+        assert min(p["issued_s"] for p in parts) == 0.0
+        for p, nxt in zip(by_conv, by_conv[1:], strict=False):
+            if nxt["conv"] == p["conv"]:  # a closed loop: the next turn after this answer
+                assert nxt["issued_s"] >= p["issued_s"] + p["ttft_s"]
         for s in [m["overall"], *m["turns"]]:
             split = s["ttft_split_s"]
             assert set(split) == set(report["ttft_parts"])

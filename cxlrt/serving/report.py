@@ -37,9 +37,11 @@ TTFT split (``ttft_split_s``)
       ``handoff_detail_s`` splits it into ``send`` (store/send at the prefill
       worker) and ``transit`` (the rest).
 
-    Per mode and turn the means; ``ttft_parts_s`` lists every request's parts, and
-    where they happened: ``handoff_send``, ``handoff_transit``, ``prefill_kv_load``,
-    ``decode_kv_load``, ``prefill_compute``, ``decode_compute``.
+    Per mode and turn the means; ``ttft_parts_s`` lists every request's parts, when
+    it was issued (``issued_s``, after the mode's first request: queueing shows as
+    requests issued together), and where they happened: ``handoff_send``,
+    ``handoff_transit``, ``prefill_kv_load``, ``decode_kv_load``, ``prefill_compute``,
+    ``decode_compute``.
 tokens equal
     Every generated token equals the monolithic run's (whole prompt in one
     prefill, then greedy decode) for the same conversation and turn.
@@ -158,6 +160,7 @@ def summarize(runs: dict[str, ModeRun], ref: Reference, turns: int) -> dict[str,
     (the names of the TTFT split's parts, in order)."""
     modes: dict[str, Any] = {}
     for mode, run in runs.items():
+        t0 = min((r.t_issue for r in run.requests), default=0.0)
         modes[mode] = {
             "label": LABELS[mode],
             "wall_s": run.wall_s,
@@ -166,8 +169,8 @@ def summarize(runs: dict[str, ModeRun], ref: Reference, turns: int) -> dict[str,
                                                  ref))
                       for t in range(turns)],
             "workers": run.workers,
-            "ttft_parts_s": [dict(rid=r.rid, conv=r.conv, turn=r.turn + 1, ttft_s=r.ttft_s,
-                                  **ttft_split(r),
+            "ttft_parts_s": [dict(rid=r.rid, conv=r.conv, turn=r.turn + 1,
+                                  issued_s=r.t_issue - t0, ttft_s=r.ttft_s, **ttft_split(r),
                                   **{f"handoff_{k}": v for k, v in _handoff_detail(r).items()},
                                   **_sides(r))
                              for r in run.requests],

@@ -411,6 +411,37 @@ def test_lru_evicts_the_least_recently_used_unpinned_block(backend):
     r.close()
 
 
+def test_a_blocks_recency_is_its_latest_lookup_not_its_release(backend):
+    """An unpin keeps its block's recency: a hit held across later lookups of other
+    blocks does not make its block look newer than them when it is released."""
+    r = backend.create(nodes=1)
+    c = open_cache(r, capacity_blocks=16)
+    a, b = (c.block_hashes(chain(i, 1)) for i in range(2))
+    fill = [c.block_hashes(chain(10 + i, 1))[0] for i in range(14)]
+    c.store(a, [block_for(a[0])])
+    c.store(b, [block_for(b[0])])
+    c.store(fill, [block_for(k) for k in fill])  # 16 of 16: the next store must evict
+    time.sleep(0.003)
+    held = c.lookup(a)
+    assert len(held) == 1
+    time.sleep(0.003)
+    with c.lookup(b) as hit:  # looked up after a
+        assert len(hit) == 1
+    time.sleep(0.003)
+    for k in fill:
+        with c.lookup([k]) as hit:  # the newest of all
+            assert len(hit) == 1
+    time.sleep(0.003)
+    held.release()  # a's release is the latest event, but not a use
+    new = c.block_hashes(chain(99, 1))
+    assert c.store(new, [block_for(new[0])]) == new
+    with c.lookup(a) as hit:
+        assert len(hit) == 0  # a: looked up least recently
+    with c.lookup(b) as hit:
+        assert len(hit) == 1
+    r.close()
+
+
 def _table(r, c):
     """(state, home slot) of every slot, read from the medium."""
     out = []
@@ -852,18 +883,70 @@ def test_a_dropped_hit_takes_no_lock_and_its_pins_go_back_at_the_next_call(backe
     thread holds the pin mutex used to wait for it with the GIL held, and that
     thread needs the GIL to let go: a deadlock. Now the pins wait for the cache's
     next call."""
+    _in_a_child(backend, _drop_hit_under_a_held_pin_mutex, "dropping a hit",
+                {3: "dropping a hit waited for the pin mutex",
+                 4: "a dropped hit's pins were not given back"})
+
+
+def _in_a_child(backend, target, what, codes):
+    """Run target(spec) in a child process over a filled cache; fail with codes[exit
+    code] unless it exits 0, or as a deadlock of `what` if it runs 30 s."""
     r, c, keys = filled(backend, nodes=1)
     r.close()
-    p = _CTX.Process(target=_drop_hit_under_a_held_pin_mutex, args=(backend.spec(),))
+    p = _CTX.Process(target=target, args=(backend.spec(),))
     p.start()
     p.join(30)
     if p.is_alive():
         p.kill()
         p.join()
-        pytest.fail("dropping a hit deadlocked on the pin mutex")
-    assert p.exitcode == 0, {3: "dropping a hit waited for the pin mutex",
-                             4: "a dropped hit's pins were not given back"}.get(p.exitcode,
-                                                                                 p.exitcode)
+        pytest.fail(f"{what} deadlocked on the pin mutex")
+    assert p.exitcode == 0, codes.get(p.exitcode, p.exitcode)
+
+
+def _lookup_and_release_under_a_held_pin_mutex(spec):
+    """Exit 0 when a lookup and a release, each made while another thread of this
+    process holds the pin mutex and needs the GIL to let go of it, waited for it and
+    did their work."""
+    r = cxlrt.open(spec, node=0)
+    c = open_cache(r, capacity_blocks=8)
+    keys = c.block_hashes(chain(0, 8))
+    c.lookup(keys).release()  # this process's pin record claimed (that waits without the GIL)
+    held = threading.Event()
+
+    def hold():
+        with r.lock("kvp:kv"):  # the cache's pin mutex (node-local tier)
+            held.set()
+            time.sleep(0.3)  # then the GIL, to leave the with block
+
+    for step in ("lookup", "release"):
+        hit = c.lookup(keys) if step == "release" else None
+        held.clear()
+        t = threading.Thread(target=hold)
+        t.start()
+        assert held.wait(10)
+        t0 = time.monotonic()
+        if step == "lookup":
+            hit = c.lookup(keys)
+            if len(hit) != 8:
+                os._exit(5)
+            hit.release()
+        else:
+            hit.release()
+        took = time.monotonic() - t0
+        t.join()
+        if took < 0.1:
+            os._exit(6)  # it did not wait: it gave up, or nothing held the mutex
+    more, stored = store_new(c, 1)
+    os._exit(0 if stored == more else 4)  # 4: a pin was kept
+
+
+def test_a_lookup_and_a_release_wait_for_a_held_pin_mutex_without_the_gil(backend):
+    """A short lookup or release runs with the GIL held and only tries the pin mutex;
+    busy, it starts again without the GIL. Waiting with the GIL held would deadlock
+    with a holder that needs the GIL to let go; giving up would lose the hit."""
+    _in_a_child(backend, _lookup_and_release_under_a_held_pin_mutex, "a lookup or a release",
+                {4: "a pin was kept", 5: "the lookup lost its hit",
+                 6: "a call did not wait for the held pin mutex"})
 
 
 def test_a_hit_dropped_with_its_cache_gives_its_pins_back(backend):

@@ -368,7 +368,7 @@ cdef class KVCache:
         hit.owner_pid = pid
         cdef uint64_t n = hit.n, m = 0, stuck = 0
         cdef uint64_t st[KV_ST_WORDS]
-        cdef int rc
+        cdef int rc, rc2 = 0
         self._take_pending(st)  # rides on the pin pass, if there is one
         self.region._busy += 1  # Region.close() refuses while we run without the GIL
         try:
@@ -378,13 +378,20 @@ cdef class KVCache:
             if rc == PIN_BUSY:
                 with nogil:
                     rc = self._lookup(hit, st, &m, &stuck, True)
+            if stuck:  # pins on entries that changed: off now, waiting for the mutex
+                with nogil:
+                    rc2 = self._pt.enter()
+                    if rc2 == 0:
+                        self._pt.add_locked(hit.slots + m, stuck, -1)  # off, whatever rc
+                        self._pt.leave()
+                if rc2 == 0:
+                    stuck = 0
         finally:
             self.region._busy -= 1
         if stuck:
             self._orphan(hit.slots + m, stuck)  # the cache's next call gives them back
         hit.n = m
-        if rc != 0 or m == 0:
-            self._add_pending(st)  # no pin pass published them
+        self._add_pending(st)  # what no pin pass published (zeroed where one did)
         cdef uint64_t* pend = self._pending()
         pend[KV_ST_LOOKUPS] += 1
         pend[KV_ST_HITS] += m
@@ -487,7 +494,7 @@ cdef class KVCache:
             base += k
         return 0
 
-    cdef int _lookup(self, Hit hit, const uint64_t* st, uint64_t* out,
+    cdef int _lookup(self, Hit hit, uint64_t* st, uint64_t* out,
                      uint64_t* stuck, bint wait) noexcept nogil:
         """Probe the keys, pin the leading ready run in one pass of the pin mutex
         (with the pending counters `st`), then observe each pinned entry's state
@@ -495,8 +502,10 @@ cdef class KVCache:
         it pinned but could not give back (the mutex could not be taken again).
         Budget for a hit of n blocks: n probes (one line each), one mutex pass and
         one fence, n 8-byte observes; a miss of the first key takes no mutex.
-        Not `wait` (the GIL held): the mutex is only tried, and PIN_BUSY means it
-        was not free and nothing was pinned or counted."""
+        `st` is zeroed once published. Not `wait` (the GIL held): the mutex is only
+        tried (try_enter_clean), PIN_BUSY means it was not free and nothing was pinned
+        or counted, and changed entries' pins it cannot give back at once are `stuck`
+        for the caller to give back without the GIL."""
         cdef kv_entry e
         cdef uint64_t j, m = 0, free_slot, s = 0, keep, want, w, h
         cdef int rc = 0, found
@@ -532,11 +541,12 @@ cdef class KVCache:
         if m == 0:
             return 0
         self._pt.prefetch(hit.slots, m)
-        rc = self._pt.enter() if wait else self._pt.try_enter()
+        rc = self._pt.enter() if wait else self._pt.try_enter_clean()
         if rc != 0:
             return rc if wait else PIN_BUSY
         rc = self._stat_add(st)
         if rc == 0:
+            memset(st, 0, KV_ST_WORDS * sizeof(uint64_t))  # published: not to be added back
             rc = self._pt.add_locked(hit.slots, m, 1)  # ends with a full fence
             if rc == CXLRT_E_KVPINS:  # a block pinned 65535 times by us: the hit ends there
                 m = self._pt.done
@@ -564,7 +574,7 @@ cdef class KVCache:
         if rc != 0:
             keep = 0
         if keep < m:
-            if (self._pt.enter() if wait else self._pt.try_enter()) == 0:
+            if (self._pt.enter() if wait else self._pt.try_enter_clean()) == 0:
                 self._pt.add_locked(hit.slots + keep, m - keep, -1)  # comes off, whatever rc
                 self._pt.leave()
             else:
@@ -581,7 +591,7 @@ cdef class KVCache:
         taken, so nothing was given back and the caller still owes these pins.
         Not `wait` (the GIL held): the mutex is only tried, and PIN_BUSY (with *held)
         means it was not free."""
-        cdef int rc = self._pt.enter() if wait else self._pt.try_enter(), rc2
+        cdef int rc = self._pt.enter() if wait else self._pt.try_enter_clean(), rc2
         held[0] = rc != 0
         if rc != 0:
             return rc if wait else PIN_BUSY

@@ -89,6 +89,7 @@ cdef class PinTable:
 
     cdef int enter(self) noexcept nogil
     cdef int try_enter(self) noexcept nogil
+    cdef int try_enter_clean(self) noexcept nogil
     cdef int _entered(self, int rc) noexcept nogil
     cdef void leave(self) noexcept nogil
     cdef int add(self, const uint64_t* slots, uint64_t n, int delta) noexcept nogil

@@ -4,6 +4,7 @@
 # process gives its record back when it closes the cache (or, if it could not,
 # at its next attach: a record of ours that no live PinTable holds is an orphan).
 from libc.stdint cimport uint16_t, uint64_t
+from libc.errno cimport EBUSY
 from libc.string cimport memset
 
 from cxlrt.backend cimport (CXL_F_DIRECT, cxl_fence, cxl_flush_nodrain, cxl_gather64, cxl_load,
@@ -122,6 +123,17 @@ cdef class PinTable:
     cdef int try_enter(self) noexcept nogil:
         """enter() if the mutex is free this instant; -EBUSY (nothing taken) if not."""
         return self._entered(cxl_local_try_enter(self.L, self.lock_id))
+
+    cdef int try_enter_clean(self) noexcept nogil:
+        """try_enter() that repairs nothing: a mutex whose last holder died is let go
+        again, still marked, with -EBUSY. For callers that hold the GIL: the repair
+        rebuilds the node's pin words from every record, which takes milliseconds
+        in a large cache; a taker without the GIL does it."""
+        cdef int rc = cxl_local_try_enter(self.L, self.lock_id)
+        if rc == 1:
+            cxl_local_exit(self.L, self.lock_id)
+            return -EBUSY
+        return rc
 
     cdef int _entered(self, int rc) noexcept nogil:
         if rc == 1:

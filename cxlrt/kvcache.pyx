@@ -242,8 +242,11 @@ cdef class KVCache:
             self._w.release_quietly()
         return n
 
-    cdef int _stat_add(self, const uint64_t* d) noexcept nogil:
-        """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held)."""
+    cdef int _stat_add(self, uint64_t* d) noexcept nogil:
+        """Add d[0..KV_ST_WORDS) to our node's stats line (pin mutex held), and zero d
+        once the store is issued, whatever the medium then reports: the caller adds d
+        back to the pending counters, so a counter is published at most once (lost,
+        never doubled, where a failing medium kept the store)."""
         cdef uint64_t at = kv_stats_at(&self.K, self.K.node), any = 0
         cdef uint64_t w[KV_ST_WORDS]
         cdef int rc, i
@@ -256,12 +259,13 @@ cdef class KVCache:
             return rc
         for i in range(KV_ST_WORDS):
             w[i] += d[i]
+        memset(d, 0, KV_ST_WORDS * sizeof(uint64_t))
         rc = cxl_store(self.r, at, w, sizeof(kv_stats))
         if rc == 0:
             rc = cxl_flush_nodrain(self.r, at, sizeof(kv_stats))
         return rc
 
-    cdef int _stats_locked(self, const uint64_t* d) noexcept nogil:
+    cdef int _stats_locked(self, uint64_t* d) noexcept nogil:
         cdef int rc = self._pt.enter()
         if rc != 0:
             return rc
@@ -301,8 +305,9 @@ cdef class KVCache:
     # of the cache, or the node's other processes once it exits, give back.
 
     cdef int _try_unpin(self, const uint64_t* slots, uint64_t n, bint* held) noexcept nogil:
-        """_unpin if the pin mutex is free this instant: -EBUSY if not (see _unpin)."""
-        cdef int rc = self._pt.try_enter()
+        """_unpin if the pin mutex is free this instant and needs no repair (that is
+        long, and the GIL is held here): -EBUSY if not (see _unpin)."""
+        cdef int rc = self._pt.try_enter_clean()
         held[0] = rc != 0
         if rc != 0:
             return rc
@@ -502,7 +507,7 @@ cdef class KVCache:
         it pinned but could not give back (the mutex could not be taken again).
         Budget for a hit of n blocks: n probes (one line each), one mutex pass and
         one fence, n 8-byte observes; a miss of the first key takes no mutex.
-        `st` is zeroed once published. Not `wait` (the GIL held): the mutex is only
+        `st` is zeroed once published (_stat_add). Not `wait` (the GIL held): the mutex is only
         tried (try_enter_clean), PIN_BUSY means it was not free and nothing was pinned
         or counted, and changed entries' pins it cannot give back at once are `stuck`
         for the caller to give back without the GIL."""
@@ -544,9 +549,8 @@ cdef class KVCache:
         rc = self._pt.enter() if wait else self._pt.try_enter_clean()
         if rc != 0:
             return rc if wait else PIN_BUSY
-        rc = self._stat_add(st)
+        rc = self._stat_add(st)  # zeroes st: published
         if rc == 0:
-            memset(st, 0, KV_ST_WORDS * sizeof(uint64_t))  # published: not to be added back
             rc = self._pt.add_locked(hit.slots, m, 1)  # ends with a full fence
             if rc == CXLRT_E_KVPINS:  # a block pinned 65535 times by us: the hit ends there
                 m = self._pt.done
@@ -582,10 +586,10 @@ cdef class KVCache:
         out[0] = keep
         return rc
 
-    cdef int _unpin(self, const uint64_t* slots, uint64_t n, const uint64_t* st,
+    cdef int _unpin(self, const uint64_t* slots, uint64_t n, uint64_t* st,
                     bint* held, bint wait) noexcept nogil:
         """Give back our pins on `slots`, publishing the pending counters `st`
-        (NULL: none) in the same pass of the pin mutex. Once the mutex is ours the
+        (NULL: none; zeroed once published) in the same pass of the pin mutex. Once the mutex is ours the
         pins come off whatever the medium does (our record is the truth; an error
         leaves the words for the next taker to rebuild). *held: the mutex could not be
         taken, so nothing was given back and the caller still owes these pins.
@@ -1291,9 +1295,9 @@ cdef class Hit:
             if rc == PIN_BUSY:
                 with nogil:
                     rc = self.cache._unpin(self.slots, self.n, st, &held, True)
+            self.cache._add_pending(st)  # what was not published (zeroed where it was)
             if rc != 0:
                 if held:  # nothing given back: the cache's next call tries again
-                    self.cache._add_pending(st)
                     self.cache._orphan(self.slots, self.n)
                 self.cache._raise(rc, "release")
         return 0

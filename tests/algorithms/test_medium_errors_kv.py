@@ -21,7 +21,7 @@ import cxlrt
 from cxlrt import check as cxcheck
 from cxlrt import crash
 from tests.algorithms.test_directory_crash import _wait_stopped
-from tests.algorithms.test_kvcache import BB, _corrupt, block_for, chain, open_cache
+from tests.algorithms.test_kvcache import BB, _corrupt, block_for, chain, filled, open_cache
 from tests.algorithms.test_kvcache_failures import _spawn
 from tests.algorithms.test_medium_errors import MOST, _fail_one_access, _medium_pins
 
@@ -188,3 +188,42 @@ def test_a_burial_said_again_after_a_stall_leaves_no_second_record(backend, emu_
     again = [r.alloc(64 + BB) for _ in range(4)]
     assert not set(objs) & set(again), "a payload was freed twice and handed out again"
     _check_clean(backend.spec())
+
+
+@pytest.mark.parametrize("effect", [False, True], ids=["undone", "done"])
+def test_a_failed_access_in_a_lookup_counts_each_lookup_at_most_once(backend, emu_only,
+                                                                     effect, keep):
+    """Lookups count into process-local counters that the next pass of the pin mutex
+    publishes. With any one access of a lookup and its release failing (its effect
+    lost or kept), each lookup is counted once: a pass whose counters were published
+    before the failure used to add them back (counted twice), and a release whose
+    mutex was taken dropped them (lost). "Once" holds where the failing access is not
+    a store: a failed store of the counters' own line may or may not have landed, and
+    they are not said again (at most once)."""
+    r, c, keys = filled(backend, nodes=1, capacity=64, blocks=4)
+    keep(r)
+    miss = c.block_hashes(chain(77, 2))
+    wrong = []
+    for kind in ("load", "store", "flush", "fence"):
+        for k in range(MOST):
+            before = c.stats()["lookups"]
+            c.lookup(miss).release()
+            c.lookup(miss).release()  # two pending lookups: no pin pass yet
+            injected = r.backend.stats()["injected_failures"]
+            r.backend.fail_access(after=k, kinds=(kind,), effect=effect)
+            try:
+                with c.lookup(keys):
+                    pass
+            except cxlrt.MediumError:
+                pass
+            finally:
+                fired = r.backend.stats()["injected_failures"] > injected
+                r.backend.fail_access(kinds=())
+            if not fired:
+                break
+            with c.lookup(keys):  # repairs a marked mutex
+                pass
+            counted = c.stats()["lookups"] - before
+            if counted > 4 or (counted < 4 and kind != "store"):
+                wrong.append((kind, k, counted))
+    assert not wrong, f"(failing access, its number, lookups counted of 4): {wrong}"

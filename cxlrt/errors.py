@@ -111,8 +111,12 @@ class LeaseLost(CxlrtError):
     """This node was silent longer than the lease while holding a lock.
 
     Other nodes may have broken the hold, so the critical section may have
-    overlapped another holder's: treat what it protected as suspect.
+    overlapped another holder's: treat what it protected as suspect. `host_stall`
+    is True when the silence was the OS's doing alone (the process was stopped, or
+    its host did not schedule it), not a heartbeat that the medium or a lock blocked.
     """
+
+    host_stall = False
 
 
 class ChannelBusyError(CxlrtError, RuntimeError):

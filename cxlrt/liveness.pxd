@@ -15,6 +15,9 @@
 #    peer or a busy interpreter cannot make a healthy node look dead.
 #  - A process judges its own silence from its own timestamps: a gap between two
 #    of its beats longer than the lease, or a current gap longer than the lease.
+#  - It also says why (LeaseLost's text): the beat thread notes each wake-up and each
+#    beat's start, so a thread the OS did not run (a stop, a host stall: "unrun") is
+#    told apart from one that ran but whose beat or sweep was slow ("blocked").
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from cxlrt.backend cimport cxl_region
@@ -53,6 +56,13 @@ ctypedef struct cxl_live:
     uint64_t gaps                    # silences longer than the lease so far
     uint64_t gap_ns                  # how long our latest silence > lease lasted
     uint64_t beats                   # beats published by this process
+    uint64_t woke                    # our monotonic ns when the beat thread last woke
+    uint64_t busy_since              # our monotonic ns when its beat (and sweep) began, 0 idle
+    uint64_t unrun_ns                # longest the thread went unrun since its latest beat
+    uint64_t unrun_end               # our ns at the end of our latest silence the OS made
+    uint64_t blocked_end             # ... and of our latest one made by a slow beat or sweep
+    int beat_failing                 # 1 while the latest publish failed
+    uint64_t stall_ns                # test hook: sleep this long inside the next beat
     int stop                         # set by close(): the beat thread exits
     int beat_rc                      # latest backend error the beat thread met, 0 none
     int fenced                       # another life of our node took over: write nothing more

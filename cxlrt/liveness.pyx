@@ -15,7 +15,7 @@ from libc.string cimport memset
 
 from cxlrt.backend cimport (Backend, CXL_HINT_REPEAT, cxl_flush, cxl_hint, cxl_load, cxl_load64,
                             cxl_observe, cxl_observe64, cxl_persist, cxl_store64)
-from cxlrt.includes.intrin cimport (cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
+from cxlrt.includes.intrin cimport (CXLRT_DEBUG, CXLRT_TEST_HOOK, cxl_atomic_add_relaxed64, cxl_atomic_load_relaxed64,
                                     cxl_atomic_store_relaxed64, cxl_now_ns, cxl_wall_ns, cxl_coarse_slack_ns)
 from cxlrt.includes.thread cimport (cxl_atomic_load_acquire64, cxl_atomic_load_acquire_int,
                                     cxl_atomic_store_release64, cxl_atomic_store_release_int,
@@ -27,7 +27,7 @@ from cxlrt.layout cimport (CXL_LINE_SIZE, CXL_NODE_AREA, CXL_NODE_ATTACHED, CXL_
 from cxlrt.status cimport check_rc
 from cxlrt.status import name_of
 
-from cxlrt.errors import RegionError
+from cxlrt.errors import DebugBuildRequired, RegionError
 from cxlrt.formats import Format
 
 # The node area's liveness words (layout.pxd cxl_node_area, line 0): what we read of
@@ -54,6 +54,15 @@ TAKEOVER_WAIT_S = 3.0
 # How long `cxlrt check` (survey) watches counters at most: a longer lease reports
 # still nodes as "silent", not "dead".
 SURVEY_MAX_S = 3.0
+
+# How LeaseLost ends when the OS alone made the silence (Liveness.host_stalled): a test
+# that fails with it is run once more (tests/conftest.py), since no code can keep a
+# process running on a shared machine.
+_HOST_STALL = "a host stall: the OS did not run this process (stopped, or not scheduled)"
+
+
+cdef inline double _ago(uint64_t now, uint64_t t) noexcept:
+    return (now - t) / 1e9 if now > t else 0.0
 
 STATE_NAMES = {CXL_LIVE_NEVER: "never attached", CXL_LIVE_ALIVE: "alive",
                CXL_LIVE_DETACHED: "detached", CXL_LIVE_DEAD: "dead"}
@@ -224,32 +233,60 @@ cdef void _beat_once(cxl_live* V) noexcept nogil:
     cdef uint64_t t, last
     if rc != 0:
         V.beat_rc = rc
+        cxl_atomic_store_release_int(&V.beat_failing, 1)
         return
+    cxl_atomic_store_release_int(&V.beat_failing, 0)
     t = cxl_now_ns()
     last = cxl_atomic_load_acquire64(&V.last_beat)
     if last != 0 and t - last > V.lease_ns:
         V.gaps += 1
-        V.gap_ns = t - last
+        cxl_atomic_store_release64(&V.gap_ns, t - last)
+        # Mostly unrun: the OS did not run us (a stop, or a host stall); else a beat or a
+        # sweep itself was slow, which is the medium's doing or a node-local lock's.
+        if 2 * cxl_atomic_load_acquire64(&V.unrun_ns) > t - last:
+            cxl_atomic_store_release64(&V.unrun_end, t)
+        else:
+            cxl_atomic_store_release64(&V.blocked_end, t)
         cxl_atomic_store_release64(&V.gap_end, t)  # before last_beat: see silent_since
     cxl_atomic_store_release64(&V.last_beat, t)
     V.beats += 1
+    cxl_atomic_store_release64(&V.unrun_ns, 0)  # after gap_end: see Liveness._silence
 
 
 cdef void* _beat_main(void* arg) noexcept nogil:
-    """The heartbeat thread: beat every period; sweep node-local state. Nothing else."""
+    """The heartbeat thread: beat every period; sweep node-local state. Nothing else.
+
+    It also notes when it last woke and since when it is busy in a beat, so that a
+    silence can be told apart: a thread that was not run, or one blocked in a beat."""
     cdef cxl_live* V = <cxl_live*>arg
-    cdef uint64_t end
+    cdef uint64_t end, t, slice_ns = min(SLEEP_SLICE_NS, V.period_ns)
+    cdef uint64_t prev = cxl_atomic_load_acquire64(&V.woke)  # our start: a new thread
     while not cxl_atomic_load_acquire_int(&V.stop):
-        end = cxl_now_ns() + V.period_ns
-        while not cxl_atomic_load_acquire_int(&V.stop) and cxl_now_ns() < end:
-            cxl_sleep_ns(min(SLEEP_SLICE_NS, V.period_ns))
+        end = prev + V.period_ns
+        while not cxl_atomic_load_acquire_int(&V.stop) and prev < end:
+            cxl_sleep_ns(slice_ns)
+            t = cxl_now_ns()
+            if t > prev + slice_ns and t - prev - slice_ns > V.unrun_ns:
+                # Overslept: we were ready, not run. Published at once, for a silence()
+                # that runs before this thread's next beat does.
+                cxl_atomic_store_release64(&V.unrun_ns, t - prev - slice_ns)
+            prev = t
+            cxl_atomic_store_release64(&V.woke, t)
         if cxl_atomic_load_acquire_int(&V.stop) or cxl_live_fenced(V):
             break
+        cxl_atomic_store_release64(&V.busy_since, prev)
+        if CXLRT_TEST_HOOK(cxl_atomic_load_acquire64(&V.stall_ns) != 0):
+            end = cxl_atomic_load_acquire64(&V.stall_ns)
+            cxl_atomic_store_release64(&V.stall_ns, 0)
+            cxl_sleep_ns(end)  # a beat blocked as if by the medium
         _beat_once(V)
         cxl_plain_mutex_lock(&V.sweep_mu)
         if V.sweep != NULL:
             V.sweep(V.sweep_ctx)
         cxl_plain_mutex_unlock(&V.sweep_mu)
+        prev = cxl_now_ns()
+        cxl_atomic_store_release64(&V.woke, prev)
+        cxl_atomic_store_release64(&V.busy_since, 0)
     return NULL
 
 
@@ -279,6 +316,7 @@ cdef class Liveness:
         self.V.node = region.node
         self.local = NodeLocal(region.uuid, region.node, on_open=self._attach_locked)
         self._owner_pid = os.getpid()
+        self.V.woke = cxl_now_ns()  # the thread counts from here: it may not run at once
         cdef int rc = cxl_thread_start(&self._thread, _beat_main, &self.V)
         if rc != 0:
             self._thread = 0
@@ -413,25 +451,80 @@ cdef class Liveness:
         return self.V.incarnation
 
     def stats(self):
+        cdef uint64_t busy = cxl_atomic_load_acquire64(&self.V.busy_since)
+        cdef uint64_t last = cxl_atomic_load_acquire64(&self.V.last_beat)
+        cdef uint64_t woke = cxl_atomic_load_acquire64(&self.V.woke)
+        cdef uint64_t now = cxl_now_ns()  # last: no field read is newer than it
         return {"beats": self.V.beats, "gaps": self.V.gaps, "fenced": bool(self.V.fenced),
-                "incarnation": self.V.incarnation, "beat_error": self.V.beat_rc}
+                "incarnation": self.V.incarnation, "beat_error": self.V.beat_rc,
+                "since_beat_s": _ago(now, last), "since_woke_s": _ago(now, woke),
+                "in_beat_s": _ago(now, busy) if busy else 0.0,
+                "unrun_s": cxl_atomic_load_acquire64(&self.V.unrun_ns) / 1e9}
 
-    def silence(self):
-        """What this process knows of why it counts as silent, for a LeaseLost message:
-        a stall and a heartbeat that cannot publish call for different fixes."""
-        cdef uint64_t now = cxl_now_ns(), last = cxl_atomic_load_acquire64(&self.V.last_beat)
+    def silence(self, uint64_t t0=0):
+        """What this process knows of why it counts as silent since `t0` (our clock), for
+        a LeaseLost message: a stall and a heartbeat that cannot publish call for
+        different fixes. It ends with _HOST_STALL when host_stalled(t0) is true."""
+        return self._silence(t0)[0]
+
+    def host_stalled(self, uint64_t t0=0):
+        """True when our silence since `t0` is the OS's doing alone: the beat thread was
+        ready but not run (the process was stopped, or its host did not schedule it),
+        and no beat was slow and no publish failed meanwhile."""
+        return self._silence(t0)[1]
+
+    def _silence(self, uint64_t t0):
+        # Read before `now`, and in this order: the beat thread publishes gap_end (and
+        # unrun_end or blocked_end) before it clears unrun_ns, so a silence that ends
+        # while we look is seen either open or ended.
+        cdef uint64_t last = cxl_atomic_load_acquire64(&self.V.last_beat)
+        cdef uint64_t busy = cxl_atomic_load_acquire64(&self.V.busy_since)
+        cdef uint64_t woke = cxl_atomic_load_acquire64(&self.V.woke)
+        cdef uint64_t unrun_ns = cxl_atomic_load_acquire64(&self.V.unrun_ns)
         cdef uint64_t end = cxl_atomic_load_acquire64(&self.V.gap_end)
+        cdef uint64_t unrun_end = cxl_atomic_load_acquire64(&self.V.unrun_end)
+        cdef uint64_t blocked_end = cxl_atomic_load_acquire64(&self.V.blocked_end)
+        cdef bint failing = cxl_atomic_load_acquire_int(&self.V.beat_failing)
+        cdef uint64_t now = cxl_now_ns(), half = self.V.lease_ns // 2
         if cxl_live_fenced(&self.V):
-            return "another life of this node took it over"
-        out = []
-        if last and now > last + self.V.lease_ns:
-            out.append(f"no beat published for {(now - last) / 1e9:.3f} s")
-        if end:
-            out.append(f"the latest silence lasted {self.V.gap_ns / 1e9:.3f} s "
-                       f"and ended {(now - end) / 1e9:.3f} s ago")
-        if self.V.beat_rc:
+            return "another life of this node took it over", False
+        if self._owner_pid != os.getpid() or cxl_atomic_load_acquire_int(&self.V.stop):
+            return "this process has no heartbeat (a forked child, or a closed region)", False
+        out, unrun, blocked = [], False, blocked_end != 0 and blocked_end >= t0
+        still = last and now > last + self.V.lease_ns and end <= last  # a silence still open
+        if still:
+            out.append(f"no beat published for {_ago(now, last):.3f} s")
+            if busy and now > busy + half:
+                out.append(f"the heartbeat has been inside one beat for {_ago(now, busy):.3f}"
+                           " s: the medium or a node-local lock blocks it")
+                blocked = True
+            elif not busy and woke and now > woke + half:
+                out.append(f"the heartbeat thread has not run for {_ago(now, woke):.3f} s")
+                unrun = True
+            elif 2 * unrun_ns > now - last:  # it runs again; its beat is not out yet
+                out.append(f"the heartbeat thread was not run for {unrun_ns / 1e9:.3f} s")
+                unrun = True
+        if end and end >= t0:
+            kind = (", made by slow beats: the medium or a node-local lock blocked them"
+                    if blocked_end == end else ", its heartbeat thread not run"
+                    if unrun_end == end else "")
+            out.append(f"the latest silence lasted "
+                       f"{cxl_atomic_load_acquire64(&self.V.gap_ns) / 1e9:.3f} s and ended "
+                       f"{_ago(now, end):.3f} s ago{kind}")
+            unrun = unrun or (not still and unrun_end != 0 and unrun_end >= t0)
+        if failing:
             out.append(f"the heartbeat's latest publish failed: {name_of(self.V.beat_rc)}")
-        return "; ".join(out) or "no silence recorded"
+        stalled = unrun and not blocked and not failing
+        if stalled:
+            out.append(_HOST_STALL)
+        return "; ".join(out) or "no silence recorded", stalled
+
+    def _stall_heartbeat(self, double seconds):
+        """Test hook: the next beat sleeps `seconds` before it publishes, as one blocked
+        by the medium would."""
+        if not CXLRT_DEBUG:
+            raise DebugBuildRequired()
+        cxl_atomic_store_release64(&self.V.stall_ns, <uint64_t>(seconds * 1e9))
 
     # detach -------------------------------------------------------------------------
     def _stop_thread(self):

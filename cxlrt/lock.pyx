@@ -788,10 +788,17 @@ cdef class Lock:
         if rc != CXLRT_E_FENCED:
             self.svc.region._rc(rc, f"release {self.name!r}", 0, 0)
         if silent or rc == CXLRT_E_FENCED:
-            raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
-                            f"the {self.svc.lease_s} s lease while holding or waiting for "
-                            "it; another node may have held it at the same time "
-                            f"({self.svc.live.silence()})")
+            raise self._lost("while holding or waiting for it; another node may have held it "
+                             "at the same time")
+
+    def _lost(self, when):
+        """LeaseLost for a silence since our acquire began; `host_stall` says whether the
+        OS alone made it (Liveness.host_stalled)."""
+        why, host = self.svc.live._silence(self._t0)
+        e = LeaseLost(f"lock {self.name!r}: this process was silent for longer than the "
+                      f"{self.svc.lease_s} s lease {when} ({why})")
+        e.host_stall = host
+        return e
 
     def check(self):
         """Seconds of validity left to this hold; LeaseLost if it is already suspect.
@@ -804,9 +811,7 @@ cdef class Lock:
         if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
             raise RuntimeError(f"lock {self.name!r} is not held by this thread")
         if cxl_live_silent_since(self.svc.L.live, self._t0):
-            raise LeaseLost(f"lock {self.name!r}: this process was silent for longer than "
-                            f"the {self.svc.lease_s} s lease since it began to acquire it "
-                            f"({self.svc.live.silence()})")
+            raise self._lost("since it began to acquire it")
         return max(0.0, cxl_live_remaining_ns(self.svc.L.live) / 1e9)
 
     def locked(self):

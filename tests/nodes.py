@@ -57,8 +57,12 @@ def run_procs(fn, arglists, *, timeout: float = 120.0) -> list:
 
 
 def raise_failures(results) -> list:
-    """Re-raise the first exception a child reported; else return the results."""
-    for i, v in enumerate(results):
+    """Re-raise the first exception a child reported; else return the results. A child's
+    host stall (a LeaseLost the OS caused, which the suite reruns) comes last, so that
+    it never stands in for another child's failure."""
+    order = sorted(range(len(results)), key=lambda i: getattr(results[i], "host_stall", False))
+    for i in order:
+        v = results[i]
         if isinstance(v, BaseException):
             tb = getattr(v, "__cxl_traceback__", "")
             raise AssertionError(f"process {i} failed:\n{tb}") from v

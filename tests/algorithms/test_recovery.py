@@ -9,6 +9,7 @@ two processes held the lock at once.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -17,6 +18,7 @@ import pytest
 import cxlrt
 import cxlrt.check
 from cxlrt.lock import LeaseLost
+from tests.conftest import HOST_STALL
 from tests.nodes import _CTX, raise_failures, run_procs
 
 MODES = ["bakery", "manager"]
@@ -134,6 +136,95 @@ def test_a_holder_stalled_past_its_lease_is_told_every_time(backend, reaper, mod
         go.set()
         assert q.get(timeout=30) == "LeaseLost", f"{mode}/{when}: a stall went unreported"
         p.join(10)
+    r0.close()
+
+
+def _hold_then_tell(spec, node, ready, go, stall_s=0.0, stopped=None):
+    """Hold a lock until `go` (with the beat blocked for `stall_s` from then, a debug
+    build's hook); then what release() said: (LeaseLost's text, its host_stall)."""
+    r = cxlrt.open(spec, node=node)
+    lock = r.lock("stall")
+    if stopped is not None:  # stopped once before the hold: a silence that does not count
+        stopped.set()
+        go.wait()
+        lock.acquire()
+        r.liveness._stall_heartbeat(stall_s)
+        time.sleep(stall_s / 3)
+    else:
+        lock.acquire()
+        ready.set()
+        go.wait()
+    try:
+        lock.release()
+        out = ("released", None)
+    except LeaseLost as e:
+        out = (f"{e} {r.liveness.stats()}", e.host_stall)
+    r.close()
+    return out
+
+
+@pytest.mark.crash
+def test_a_stopped_holders_lease_lost_blames_the_stop_not_the_heartbeat(backend, reaper):
+    """A silence the OS made (SIGSTOP stands in for a host that did not run us) is named
+    as such, so that it is told apart from a heartbeat that the medium blocked."""
+    r0 = backend.create(nodes=3, lease=LEASE)
+    ready, go, q = _CTX.Event(), _CTX.Event(), _CTX.Queue()
+    p = _CTX.Process(target=_report, args=(q, _hold_then_tell, backend.spec(), 1, ready, go))
+    p.start()
+    reaper(p)
+    assert ready.wait(30)
+    _stop_for(p.pid, 3 * LEASE)
+    go.set()
+    text, host_stall = q.get(timeout=30)
+    assert re.search(HOST_STALL, f"LeaseLost: {text}"), text  # what the suite reruns
+    assert host_stall is True, text
+    p.join(10)
+    r0.close()
+
+
+@pytest.mark.debug_build
+def test_a_heartbeat_blocked_in_its_beat_is_not_called_a_host_stall(backend):
+    """The negative control: the beat thread runs but its beat takes 3 s (as a blocked
+    medium would make it): LeaseLost says so, and does not blame the host."""
+    r = backend.create(nodes=3, lease=LEASE)
+    lock = r.lock("blocked")
+    lock.acquire()
+    r.liveness._stall_heartbeat(3.0)
+    time.sleep(1.0)
+    with pytest.raises(LeaseLost, match="inside one beat") as e:
+        lock.release()
+    assert not re.search(HOST_STALL, f"LeaseLost: {e.value}")  # never rerun: ours to fix
+    assert e.value.host_stall is False
+    deadline = time.monotonic() + 10
+    while "ended" not in r.liveness.silence():
+        assert time.monotonic() < deadline, r.liveness.silence()
+        time.sleep(0.05)
+    assert "made by slow beats" in r.liveness.silence()
+    assert r.liveness.host_stalled() is False
+    r.close()
+
+
+@pytest.mark.crash
+@pytest.mark.debug_build
+def test_an_earlier_stop_does_not_excuse_a_blocked_beat_in_the_hold(backend, reaper):
+    """A process stopped once before it took the lock, whose beat then blocks while it
+    holds it: the silence that counts is the blocked beat, not a host stall."""
+    r0 = backend.create(nodes=3, lease=LEASE)
+    stopped, go, q = _CTX.Event(), _CTX.Event(), _CTX.Queue()
+    p = _CTX.Process(target=_report, args=(q, _hold_then_tell, backend.spec(), 1, None, go,
+                                           3.0, stopped))
+    p.start()
+    reaper(p)
+    assert stopped.wait(30)
+    _stop_for(p.pid, 3 * LEASE)
+    time.sleep(0.3)  # its heartbeat beats again: that silence has ended
+    go.set()
+    text, host_stall = q.get(timeout=30)
+    assert "inside one beat" in text, text
+    assert "its heartbeat thread not run" not in text, text  # before the hold: not counted
+    assert not re.search(HOST_STALL, f"LeaseLost: {text}"), text
+    assert host_stall is False
+    p.join(10)
     r0.close()
 
 

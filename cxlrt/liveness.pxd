@@ -62,6 +62,7 @@ ctypedef struct cxl_live:
     uint64_t unrun_end               # our ns at the end of our latest silence the OS made
     uint64_t blocked_end             # ... and of our latest one made by a slow beat or sweep
     int beat_failing                 # 1 while the latest publish failed
+    int failed_since_beat            # a publish failed since our latest beat (beat thread's)
     uint64_t stall_ns                # test hook: sleep this long inside the next beat
     int stop                         # set by close(): the beat thread exits
     int beat_rc                      # latest backend error the beat thread met, 0 none

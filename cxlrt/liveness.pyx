@@ -233,6 +233,7 @@ cdef void _beat_once(cxl_live* V) noexcept nogil:
     cdef uint64_t t, last
     if rc != 0:
         V.beat_rc = rc
+        V.failed_since_beat = 1
         cxl_atomic_store_release_int(&V.beat_failing, 1)
         return
     cxl_atomic_store_release_int(&V.beat_failing, 0)
@@ -241,15 +242,18 @@ cdef void _beat_once(cxl_live* V) noexcept nogil:
     if last != 0 and t - last > V.lease_ns:
         V.gaps += 1
         cxl_atomic_store_release64(&V.gap_ns, t - last)
-        # Mostly unrun: the OS did not run us (a stop, or a host stall); else a beat or a
-        # sweep itself was slow, which is the medium's doing or a node-local lock's.
-        if 2 * cxl_atomic_load_acquire64(&V.unrun_ns) > t - last:
+        # The OS's doing (a stop, or a host stall) only if, less the time we were ready
+        # but not run, the gap would have kept within the lease by a margin; else a beat,
+        # a sweep or a failed publish made it: the medium's doing, or a node-local lock's.
+        if not V.failed_since_beat and \
+                t - last < cxl_atomic_load_acquire64(&V.unrun_ns) + V.lease_ns // 2:
             cxl_atomic_store_release64(&V.unrun_end, t)
         else:
             cxl_atomic_store_release64(&V.blocked_end, t)
         cxl_atomic_store_release64(&V.gap_end, t)  # before last_beat: see silent_since
     cxl_atomic_store_release64(&V.last_beat, t)
     V.beats += 1
+    V.failed_since_beat = 0
     cxl_atomic_store_release64(&V.unrun_ns, 0)  # after gap_end: see Liveness._silence
 
 
@@ -473,7 +477,7 @@ cdef class Liveness:
         and no beat was slow and no publish failed meanwhile."""
         return self._silence(t0)[1]
 
-    def _silence(self, uint64_t t0):
+    def _silence(self, uint64_t t0, bint may_blame_host=True):
         # Read before `now`, and in this order: the beat thread publishes gap_end (and
         # unrun_end or blocked_end) before it clears unrun_ns, so a silence that ends
         # while we look is seen either open or ended.
@@ -494,16 +498,18 @@ cdef class Liveness:
         still = last and now > last + self.V.lease_ns and end <= last  # a silence still open
         if still:
             out.append(f"no beat published for {_ago(now, last):.3f} s")
+            if not busy and woke and now > woke + unrun_ns:
+                unrun_ns = now - woke  # not run since it last woke (or it runs again)
             if busy and now > busy + half:
                 out.append(f"the heartbeat has been inside one beat for {_ago(now, busy):.3f}"
                            " s: the medium or a node-local lock blocks it")
                 blocked = True
-            elif not busy and woke and now > woke + half:
-                out.append(f"the heartbeat thread has not run for {_ago(now, woke):.3f} s")
-                unrun = True
-            elif 2 * unrun_ns > now - last:  # it runs again; its beat is not out yet
+            elif now - last < unrun_ns + half:  # as _beat_once judges an ended gap
                 out.append(f"the heartbeat thread was not run for {unrun_ns / 1e9:.3f} s")
                 unrun = True
+            else:
+                out.append("its beats or sweeps were slow: the medium or a node-local lock")
+                blocked = True
         if end and end >= t0:
             kind = (", made by slow beats: the medium or a node-local lock blocked them"
                     if blocked_end == end else ", its heartbeat thread not run"
@@ -514,7 +520,7 @@ cdef class Liveness:
             unrun = unrun or (not still and unrun_end != 0 and unrun_end >= t0)
         if failing:
             out.append(f"the heartbeat's latest publish failed: {name_of(self.V.beat_rc)}")
-        stalled = unrun and not blocked and not failing
+        stalled = unrun and not blocked and not failing and may_blame_host
         if stalled:
             out.append(_HOST_STALL)
         return "; ".join(out) or "no silence recorded", stalled

@@ -774,6 +774,9 @@ cdef class Lock:
     def release(self):
         """Release; LeaseLost if this process was silent past its lease at any time since
         its acquire began (other nodes may have held the lock meanwhile)."""
+        self._release(True)
+
+    def _release(self, bint may_blame_host):
         cdef cxl_local_lock* s = cxl_lock_slot(&self.svc.L, self.index)
         cdef int rc, silent
         if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
@@ -789,12 +792,13 @@ cdef class Lock:
             self.svc.region._rc(rc, f"release {self.name!r}", 0, 0)
         if silent or rc == CXLRT_E_FENCED:
             raise self._lost("while holding or waiting for it; another node may have held it "
-                             "at the same time")
+                             "at the same time", may_blame_host)
 
-    def _lost(self, when):
+    def _lost(self, when, bint may_blame_host=True):
         """LeaseLost for a silence since our acquire began; `host_stall` says whether the
-        OS alone made it (Liveness.host_stalled)."""
-        why, host = self.svc.live._silence(self._t0)
+        OS alone made it (Liveness.host_stalled). Not said over an error of the section's
+        own (`with` whose body raised): that error may be the code's, stall or not."""
+        why, host = self.svc.live._silence(self._t0, may_blame_host)
         e = LeaseLost(f"lock {self.name!r}: this process was silent for longer than the "
                       f"{self.svc.lease_s} s lease {when} ({why})")
         e.host_stall = host
@@ -857,7 +861,7 @@ cdef class Lock:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.release()
+        self._release(exc_type is None)
 
     def __repr__(self):
         return f"<cxlrt.Lock {self.name!r} #{self.index} {self.mode}>"

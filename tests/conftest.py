@@ -213,8 +213,9 @@ NOT_HOST_STALL = r"^(?!LeaseLost: |AssertionError: process \d+ failed:)"
 
 
 def pytest_configure(config):
-    if config.pluginmanager.hasplugin("rerunfailures"):
-        if config.option.reruns is None:
+    if config.pluginmanager.hasplugin("rerunfailures") and not config.option.usepdb:
+        config.option.rerun_show_tracebacks = True  # the first try's failure is shown too
+        if config.option.reruns is None and not config.getini("reruns"):
             config.option.reruns = 1
         if config.option.only_rerun is None and config.option.rerun_except is None:
             config.option.only_rerun = [HOST_STALL]

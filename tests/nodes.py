@@ -60,7 +60,9 @@ def raise_failures(results) -> list:
     """Re-raise the first exception a child reported; else return the results. A child's
     host stall (a LeaseLost the OS caused, which the suite reruns) comes last, so that
     it never stands in for another child's failure."""
-    order = sorted(range(len(results)), key=lambda i: getattr(results[i], "host_stall", False))
+    from cxlrt.errors import LeaseLost
+    order = sorted(range(len(results)),
+                   key=lambda i: isinstance(results[i], LeaseLost) and results[i].host_stall)
     for i in order:
         v = results[i]
         if isinstance(v, BaseException):

@@ -65,6 +65,7 @@ def test_only_a_silence_the_host_made_is_run_again(tmp_path, pytestconfig):
         "from tests.conftest import pytest_configure  # noqa: F401\n")
     (tmp_path / "test_cases.py").write_text(textwrap.dedent(CASES))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options are not the inner one's
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-rA", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)

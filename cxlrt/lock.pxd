@@ -79,3 +79,5 @@ cdef class Lock:
     cdef uint32_t _mode
     cdef readonly bint recovered   # the last acquire took over from a dead holder
     cdef uint64_t _t0              # our monotonic ns when the current hold's acquire began
+
+    cdef int _release(self, bint may_blame_host) except -1

@@ -776,7 +776,7 @@ cdef class Lock:
         its acquire began (other nodes may have held the lock meanwhile)."""
         self._release(True)
 
-    def _release(self, bint may_blame_host):
+    cdef int _release(self, bint may_blame_host) except -1:
         cdef cxl_local_lock* s = cxl_lock_slot(&self.svc.L, self.index)
         cdef int rc, silent
         if s.holder_tid != cxl_thread_id() or s.holder_pid != <uint32_t>cxl_pid():
@@ -793,6 +793,7 @@ cdef class Lock:
         if silent or rc == CXLRT_E_FENCED:
             raise self._lost("while holding or waiting for it; another node may have held it "
                              "at the same time", may_blame_host)
+        return 0
 
     def _lost(self, when, bint may_blame_host=True):
         """LeaseLost for a silence since our acquire began; `host_stall` says whether the

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cxlrt
+from cxlrt.backend import copy_mode
 from tests.nodes import _CTX, host_lock, raise_failures, run_procs
 
 
@@ -87,21 +88,34 @@ def test_large_dma_writes_land_whole_at_any_alignment(backend, n):
     b.close()
 
 
-def test_dma_writes_with_non_temporal_stores_switched_off(backend):
-    """CXLRT_NT_STORES=0, which perf/ uses to measure both ways, copies the same bytes."""
+@pytest.mark.parametrize("mode, width", [("0", 0), ("sse2", 16)])
+def test_dma_writes_in_every_copy_mode_land_the_same_bytes(backend, mode, width):
+    """CXLRT_NT_STORES=0 (memcpy) and =sse2 (16-byte streams where the CPU has 32-byte
+    ones), which perf/ uses to measure each way, copy the same bytes as the default."""
     backend.create(nodes=2).close()
     spec = backend.spec()
+    want = {"nt_stores": width > 0, "nt_min": 16384, "nt_width": width}
     code = ("import cxlrt\n"
             "from cxlrt.backend import copy_mode\n"
             "from tests.algorithms.test_region_ops import _dma_write_at_every_alignment\n"
-            "assert copy_mode() == {'nt_stores': False, 'nt_min': 16384}, copy_mode()\n"
+            f"assert copy_mode() == {want!r}, copy_mode()\n"
             f"a, b = cxlrt.open({spec!r}, node=0), cxlrt.open({spec!r}, node=1)\n"
             "for n in (16384, 65543):\n"
             "    _dma_write_at_every_alignment(a, b, n)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, CXLRT_NT_STORES="0"))
+                         text=True, timeout=120, env=dict(os.environ, CXLRT_NT_STORES=mode))
     assert out.returncode == 0, out.stderr
+
+
+def test_the_default_copy_mode_streams_as_wide_as_the_cpu_allows():
+    """32-byte streams where the CPU has AVX2 (the fast path on this host), else 16."""
+    if os.environ.get("CXLRT_NT_STORES") is not None:
+        pytest.skip("CXLRT_NT_STORES is set for this run")
+    with open("/proc/cpuinfo") as f:
+        avx2 = " avx2" in f.read()
+    mode = copy_mode()
+    assert mode == {"nt_stores": True, "nt_min": 16384, "nt_width": 32 if avx2 else 16}, mode
 
 
 def test_view_is_a_window_on_the_medium(backend):

@@ -1,10 +1,11 @@
 """KV store bandwidth with non-temporal copies on and off, each against numpy's copy.
 
 cxlrt's dma_write copies large pieces with non-temporal stores (cxlrt/includes/
-cxl_copy.h); CXLRT_NT_STORES=0 makes it memcpy. The mode is fixed per process, so
-each mode runs in its own child, the modes alternate, and every child times the
-numpy baseline and the store in paired rounds (one of each, in turn), as perf/'s
-ratios are everywhere else:
+cxl_copy.h), 32 bytes at a time where the CPU has AVX2; CXLRT_NT_STORES=sse2 keeps
+them 16 bytes wide and CXLRT_NT_STORES=0 makes the copy memcpy. The mode is fixed per
+process, so each mode runs in its own child, the modes alternate, and every child
+times the numpy baseline and the store in paired rounds (one of each, in turn), as
+perf/'s ratios are everywhere else:
 
     python perf/copy_modes.py --backend file --block-kib 2048 --runs 3
 """
@@ -21,7 +22,7 @@ import tempfile
 import time
 
 SPECS = {"file": "file:{d}/r", "emu": "emu:{d}/r?seed=1&evict=0&delay=0&lat=0&check=0"}
-MODES = {"nt": "1", "memcpy": "0"}
+MODES = {"nt": "1", "nt-sse2": "sse2", "memcpy": "0"}  # CXLRT_NT_STORES of each
 
 
 def child(backend: str, kib: int, blocks: int, rounds: int) -> dict:
@@ -81,11 +82,12 @@ def main(argv: list[str] | None = None) -> None:
             if out.returncode != 0:
                 raise SystemExit(f"{mode} child failed:\n{out.stderr}")
             res = json.loads(out.stdout)
-            if res["mode"]["nt_stores"] != (env == "1"):
+            if res["mode"]["nt_stores"] != (env != "0") or (
+                    env == "sse2" and res["mode"]["nt_width"] != 16):
                 raise SystemExit(f"{mode} child copied in the wrong mode: {res['mode']}")
             got[mode].append(res)
     for mode, runs in got.items():
-        print(f"{a.backend} {a.block_kib} KiB x {a.blocks}, {mode:6s}: "
+        print(f"{a.backend} {a.block_kib} KiB x {a.blocks}, {mode:7s}: "
               + ", ".join(f"{r['ratio']:.2f}x numpy ({r['gbs']:.1f} GB/s)" for r in runs))
 
 

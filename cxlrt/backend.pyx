@@ -16,9 +16,9 @@ DEBUG = CXLRT_DEBUG
 
 def copy_mode() -> dict:
     """How dma_write copies large blocks in this process (cxlrt/includes/cxl_copy.h):
-    non-temporal stores of `nt_width` bytes (32 with AVX2, else 16) from `nt_min`
+    non-temporal stores of `nt_width` bytes (32 with AVX, else 16) from `nt_min`
     bytes up, unless CXLRT_NT_STORES was set before the first copy: to 0 (memcpy,
-    width 0) or to sse2 (16-byte stores on any CPU)."""
+    width 0) or to sse2 (16-byte stores on any x86-64). Other CPUs copy with memcpy."""
     cdef int mode = cxl_nt_enabled()
     return {"nt_stores": mode != 0, "nt_min": CXL_NT_MIN, "nt_width": (0, 16, 32)[mode]}
 

@@ -1,7 +1,7 @@
 """KV store bandwidth with non-temporal copies on and off, each against numpy's copy.
 
 cxlrt's dma_write copies large pieces with non-temporal stores (cxlrt/includes/
-cxl_copy.h), 32 bytes at a time where the CPU has AVX2; CXLRT_NT_STORES=sse2 keeps
+cxl_copy.h), 32 bytes at a time where the CPU has AVX; CXLRT_NT_STORES=sse2 keeps
 them 16 bytes wide and CXLRT_NT_STORES=0 makes the copy memcpy. The mode is fixed per
 process, so each mode runs in its own child, the modes alternate, and every child
 times the numpy baseline and the store in paired rounds (one of each, in turn), as
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{mode} child copied in the wrong mode: {res['mode']}")
             got[mode].append(res)
     for mode, runs in got.items():
-        print(f"{a.backend} {a.block_kib} KiB x {a.blocks}, {mode:7s}: "
+        print(f"{a.backend} {a.block_kib} KiB x {a.blocks}, {mode:7s} "
+              f"({runs[0]['mode']['nt_width']:2d}-byte): "
               + ", ".join(f"{r['ratio']:.2f}x numpy ({r['gbs']:.1f} GB/s)" for r in runs))
 
 

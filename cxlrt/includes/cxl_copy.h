@@ -15,11 +15,12 @@
  *  - It never leaves a destination line of [dst, dst+n) stale in this CPU's
  *    caches: a non-temporal store to a cached line evicts that line.
  *  - CXLRT_NT_STORES=0 in the environment turns it into memcpy, and
- *    CXLRT_NT_STORES=sse2 keeps the 16-byte stores on a CPU that has AVX2; read once
+ *    CXLRT_NT_STORES=sse2 keeps the 16-byte stores on a CPU that has AVX; read once
  *    per module, so every way can be measured from one build.
  *
- * Width: 32-byte stores (AVX2) where the CPU and OS have them, else 16-byte (SSE2,
- * every x86-64). On the 2-vCPU EPYC of 2026-12-07 (AVX-512, about 25 GB/s to
+ * Width: 32-byte stores (AVX: vmovntdq ymm) where the CPU and OS have them, else
+ * 16-byte (SSE2, every x86-64); any other CXLRT_NT_STORES value is the default. Other
+ * CPUs copy with memcpy and a fence (mode 0). On the 2-vCPU EPYC of 2026-12-07 (AVX-512, about 25 GB/s to
  * tmpfs) 32-byte streams copied 2 MiB blocks 9-13% faster than 16-byte ones, and
  * 64-byte ones no faster than 32 (perf/README.md, "Wider non-temporal stores").
  */
@@ -29,24 +30,27 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define CXL_NT_MIN 16384
 
 /* The copy each module uses, chosen at its first copy (each extension module holds
  * its own copy of this state; all read the same environment and CPU). */
-enum { CXL_NT_UNKNOWN = -1, CXL_NT_OFF = 0, CXL_NT_SSE2 = 1, CXL_NT_AVX2 = 2 };
+enum { CXL_NT_UNKNOWN = -1, CXL_NT_OFF = 0, CXL_NT_SSE2 = 1, CXL_NT_AVX = 2 };
 static int cxl_nt_state __attribute__((unused)) = CXL_NT_UNKNOWN;
 
 static inline int cxl_nt_choose(void)
 {
+#if defined(__x86_64__)
     const char *e = getenv("CXLRT_NT_STORES");
     if (e && strcmp(e, "0") == 0)
         return CXL_NT_OFF;
-#if defined(__x86_64__)
-    if (!(e && strcmp(e, "sse2") == 0) && __builtin_cpu_supports("avx2"))
-        return CXL_NT_AVX2;  /* libgcc checks that the OS saves the AVX state too */
-#endif
+    if (!(e && strcasecmp(e, "sse2") == 0) && __builtin_cpu_supports("avx"))
+        return CXL_NT_AVX;  /* libgcc checks that the OS saves the AVX state too */
     return CXL_NT_SSE2;
+#else
+    return CXL_NT_OFF;  /* the copy below is memcpy whatever the environment says */
+#endif
 }
 
 /* 0: memcpy; 1: 16-byte non-temporal stores; 2: 32-byte ones. */
@@ -77,9 +81,9 @@ static inline void cxl_stream_sse2(char *d, const char *s, uint64_t body)
     }
 }
 
-/* Built for AVX2 whatever the module's flags; only called once the CPU said it has it. */
-__attribute__((target("avx2"))) static inline void cxl_stream_avx2(char *d, const char *s,
-                                                                   uint64_t body)
+/* Built for AVX whatever the module's flags; only called once the CPU said it has it. */
+__attribute__((target("avx"))) static inline void cxl_stream_avx(char *d, const char *s,
+                                                                 uint64_t body)
 {
     uint64_t i = 0;
     for (; i + 128 <= body; i += 128) {
@@ -114,8 +118,8 @@ static inline void cxl_copy_out(void *dst, const void *src, uint64_t n)
     s += head;
     n -= head;
     body = n & ~(uint64_t)63;
-    if (mode == CXL_NT_AVX2)
-        cxl_stream_avx2(d, s, body);
+    if (mode == CXL_NT_AVX)
+        cxl_stream_avx(d, s, body);
     else
         cxl_stream_sse2(d, s, body);
     memcpy(d + body, s + body, n - body);
